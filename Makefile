@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
+# pytest exits 5 when it collected nothing: treat that as a failure so CI never passes vacuously.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
 
 # Unit tests only (no multi-process training runs): the quick inner loop.
 test-fast: setup
