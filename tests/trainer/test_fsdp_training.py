@@ -1,0 +1,49 @@
+"""2-process gloo FSDP2 runs of the tiny model: the loss falls and identical runs end bit-identical."""
+
+import pytest
+import torch
+
+from conftest import read_jsonl, torchrun
+from trainer.checkpoint import load_model_weights
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 30
+
+
+def _train(tmp_path, dataset, name, *extra):
+    run_dir = tmp_path / name
+    result = torchrun(
+        ["--config", "tiny", f"--data.path={dataset}", f"--train.run_dir={run_dir}", f"--train.steps={STEPS}",
+         "--checkpoint.interval=0", *extra]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir
+
+
+def test_loss_falls_and_identical_runs_are_bit_identical(tmp_path, tiny_dataset):
+    run_a = _train(tmp_path, tiny_dataset, "a")
+    records = read_jsonl(run_a / "metrics.jsonl")
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    first = sum(r["loss"] for r in steps[:3]) / 3
+    last = sum(r["loss"] for r in steps[-3:]) / 3
+    assert last < first - 1.0, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    start = next(r for r in records if r["event"] == "start")
+    assert start["world_size"] == 2 and start["device"] == "cpu"
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)
+
+    run_b = _train(tmp_path, tiny_dataset, "b")
+    wa, wb = load_model_weights(run_a / "checkpoints"), load_model_weights(run_b / "checkpoints")
+    assert wa.keys() == wb.keys() and len(wa) > 10
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs between identical runs"
+    losses_a = [r["loss"] for r in steps]
+    losses_b = [r["loss"] for r in read_jsonl(run_b / "metrics.jsonl") if r["event"] == "step"]
+    assert losses_a == losses_b
+
+
+def test_bad_config_exits_with_permanent_code(tmp_path, tiny_dataset):
+    result = torchrun(["--config", "tiny", f"--data.path={tiny_dataset}", "--checkpoint.keep=1"], nproc=1)
+    assert result.returncode != 0
+    assert "checkpoint.keep must be >= 2" in result.stderr

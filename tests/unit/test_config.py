@@ -1,0 +1,78 @@
+import pytest
+
+from trainer.config import ConfigError, JobConfig, describe, field_docs, load_config, parse_args, ModelConfig
+
+
+def test_flavours_load_and_validate():
+    for name in ("tiny", "1b", "8b"):
+        cfg = load_config(name, ["--data.path=/data"])
+        assert cfg.model.name == name
+    assert load_config("8b", ["--data.path=/d"]).model.ffn_dim == 14336
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nsteps = 7\nbatch_size = 3\n[data]\npath = "/x"\n')
+    cfg = load_config(toml, ["--train.steps=9", "--optim.lr=0.5", "--train.compile=true",
+                             "--resiliency.faults=1:5:exception,0:7:sigkill"])
+    assert cfg.train.steps == 9  # CLI beats TOML
+    assert cfg.train.batch_size == 3  # TOML beats default
+    assert cfg.optim.lr == 0.5 and cfg.train.compile is True
+    assert cfg.resiliency.faults == ["1:5:exception", "0:7:sigkill"]
+    assert cfg.optim.beta2 == JobConfig().optim.beta2  # default kept
+
+
+def test_cli_space_separated_override():
+    _, cfg = parse_args(["--config", "tiny", "--data.path", "/d", "--train.steps", "3"])
+    assert cfg.train.steps == 3 and cfg.data.path == "/d"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--checkpoint.keep=1", "checkpoint.keep must be >= 2"),
+        ("--model.n_heads=7", "model.dim (256) must be divisible by model.n_heads (7)"),
+        ("--train.device=tpu", "train.device must be one of"),
+        ("--train.steps=abc", "--train.steps='abc' is not a valid int"),
+        ("--train.nope=1", "unknown key train.nope"),
+        ("--bogus.key=1", "unknown config section 'bogus'"),
+        ("--resiliency.hard_timeout_s=1", "must be greater than resiliency.soft_timeout_s"),
+    ],
+)
+def test_validation_errors_say_what_to_change(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        load_config("tiny", ["--data.path=/d", override])
+
+
+def test_missing_data_path_is_reported():
+    with pytest.raises(ConfigError, match="data.path is required"):
+        load_config("tiny")
+
+
+def test_wrong_type_in_toml(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match="train.steps must be of type int"):
+        load_config(toml, ["--data.path=/d"])
+
+
+def test_unknown_flavour_lists_shipped_ones():
+    with pytest.raises(ConfigError, match=r"flavours: \['1b', '8b', 'tiny'\]"):
+        load_config("70b")
+
+
+def test_every_field_is_documented():
+    import dataclasses
+    for section in dataclasses.fields(JobConfig):
+        cls = section.default_factory
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"[{section.name}] fields without a docstring: {missing}"
+    assert "Peak learning rate" in describe()
+
+
+def test_config_round_trips_through_json():
+    cfg = load_config("tiny", ["--data.path=/d", "--train.steps=5"])
+    import json
+    again = JobConfig.from_dict(json.loads(cfg.to_json()))
+    assert again == cfg

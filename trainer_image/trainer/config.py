@@ -1,0 +1,393 @@
+"""Typed trainer configuration: dataclass defaults < TOML file < CLI overrides.
+
+Each section is a dataclass and each object in the trainer receives only its own section. Every field has a
+docstring (the string literal under it), which ``python -m trainer --help-config`` prints. Validation errors
+say which key to change and to what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Human-readable flavour name, recorded in metrics and checkpoints."""
+    dim: int = 256
+    """Model (residual stream) width."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Number of query heads; must divide ``dim``."""
+    n_kv_heads: int = 4
+    """Number of key/value heads (grouped-query attention); must divide ``n_heads``."""
+    ffn_dim: int = 704
+    """Hidden width of the SwiGLU feed-forward layer."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes it from the dataset manifest. Must be >= the dataset's vocabulary."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    def validate(self) -> None:
+        _positive(self, "model", ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"))
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"model.dim / model.n_heads must be even for RoPE; got head dim {self.dim // self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.vocab_size < 0:
+            raise ConfigError(f"model.vocab_size must be >= 0 (0 = from the dataset); got {self.vocab_size}")
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Dataset directory holding ``manifest.json`` and token shards (see SHARDS.md). Required."""
+    seq_len: int = 256
+    """Tokens per training sample."""
+    seed: int = 1234
+    """Seed of the sample order; the same seed gives the same batches."""
+    verify_checksums: bool = True
+    """Verify every shard's sha256 before training (reads the whole dataset once)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("data.path is required: pass --data.path=<dataset dir with manifest.json>")
+        _positive(self, "data", ("seq_len",))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at ``lr * min_lr_ratio``."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def validate(self) -> None:
+        _positive(self, "optim", ("lr", "eps"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name} must be in [0, 1); got {getattr(self, name)}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Total optimizer steps of the run (a resumed run continues up to this step)."""
+    batch_size: int = 8
+    """Micro-batch size per rank (sequences). Global batch = batch_size x world size."""
+    seed: int = 0
+    """Seed of weight initialisation (identical on every rank)."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    mixed_precision: str = "auto"
+    """``auto`` (bf16 params / fp32 reductions on GPU, fp32 on CPU), ``bf16`` or ``fp32``."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass to save memory."""
+    compile: bool = False
+    """``torch.compile`` each transformer block."""
+    run_dir: str = "runs/default"
+    """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
+    log_every: int = 1
+    """Write a metrics line every N steps (the last step is always written)."""
+    cpu_threads: int = 0
+    """Intra-op threads per process on CPU; 0 = cores / local ranks."""
+    deterministic: bool = True
+    """Use deterministic algorithms (bit-identical reruns on CPU)."""
+
+    def validate(self) -> None:
+        _positive(self, "train", ("steps", "batch_size", "log_every"))
+        _choice(self, "train", "device", ("auto", "cpu", "cuda"))
+        _choice(self, "train", "mixed_precision", ("auto", "bf16", "fp32"))
+        if self.cpu_threads < 0:
+            raise ConfigError(f"train.cpu_threads must be >= 0 (0 = automatic); got {self.cpu_threads}")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory on shared storage; empty = ``<train.run_dir>/checkpoints``."""
+    interval: int = 0
+    """Save every N steps; 0 saves only at the end of the run."""
+    keep: int = 2
+    """Committed checkpoints to keep (>= 2 so a corrupt newest one can fall back)."""
+    async_save: bool = True
+    """Write in the background; training blocks only while the state is staged in host memory."""
+    resume: bool = True
+    """Resume from the latest valid checkpoint in ``dir`` when one exists."""
+    init_from: str = ""
+    """Warm start: load model weights (not optimizer or step) from this checkpoint dir when ``dir`` is empty."""
+
+    def validate(self) -> None:
+        if self.interval < 0:
+            raise ConfigError(f"checkpoint.interval must be >= 0 (0 = only the final save); got {self.interval}")
+        if self.keep < 2:
+            raise ConfigError(
+                f"checkpoint.keep must be >= 2 so a corrupt latest checkpoint can fall back; got {self.keep}"
+            )
+
+
+@dataclass
+class ResiliencyConfig:
+    inprocess: bool = False
+    """Wrap training in NVRx ``inprocess.Wrapper`` (in-process restart on exceptions and hangs)."""
+    inprocess_max_restarts: int = 3
+    """In-process restarts allowed per process before the fault escalates to the in-job layer."""
+    heartbeats: str = "auto"
+    """NVRx ``RankMonitorClient`` heartbeats: ``auto`` (on under ft_launcher), ``on`` or ``off``."""
+    soft_timeout_s: float = 60.0
+    """In-process: a rank that made no progress for this long is asked to restart."""
+    hard_timeout_s: float = 90.0
+    """In-process: a rank stuck this long (e.g. GIL held) is terminated."""
+    collective_timeout_s: float = 30.0
+    """Process-group (collective) timeout; on CPU/gloo it must stay below ``soft_timeout_s``."""
+    faults: list[str] = field(default_factory=list)
+    """Fault injection, ``rank:step:kind`` items (kinds: exception, hang, hang_gil, sigkill, oom, sigterm,
+    corrupt_checkpoint). Off when empty; each fires once per run directory."""
+
+    def validate(self) -> None:
+        _choice(self, "resiliency", "heartbeats", ("auto", "on", "off"))
+        _positive(self, "resiliency", ("soft_timeout_s", "hard_timeout_s", "collective_timeout_s"))
+        if self.hard_timeout_s <= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.hard_timeout_s ({self.hard_timeout_s}) must be greater than "
+                f"resiliency.soft_timeout_s ({self.soft_timeout_s})"
+            )
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resiliency: ResiliencyConfig = field(default_factory=ResiliencyConfig)
+
+    def validate(self) -> "JobConfig":
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.train.run_dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "JobConfig":
+        cfg = cls()
+        for section_name, values in data.items():
+            section = _section(cfg, section_name, source)
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{section_name}] must be a table of keys")
+            for key, value in values.items():
+                _set(section, section_name, key, value, source)
+        return cfg
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass."""
+    tree = ast.parse(inspect.getsource(section_cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)  # type: ignore[union-attr]
+    return docs
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Defaults, then the TOML file, then ``section.key=value`` overrides; validated."""
+    cfg = JobConfig()
+    if path is not None:
+        path = resolve_config_path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        cfg = JobConfig.from_dict(data, source=str(path))
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        section_name, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"override {item!r} must look like --section.key=value (e.g. --train.steps=200)")
+        section = _section(cfg, section_name, "command line")
+        _set(section, section_name, name, _parse_cli_value(section, section_name, name, value), "command line")
+    return cfg.validate()
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path, or a flavour name (``tiny``, ``1b``, ``8b``) of the TOMLs shipped in ``trainer/configs``."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    shipped = CONFIG_DIR / f"{path}.toml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(f.stem for f in CONFIG_DIR.glob("*.toml"))
+    raise ConfigError(f"config {str(path)!r} is neither a file nor a shipped flavour; flavours: {names}")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, JobConfig]:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="FSDP2 trainer. Overrides: --section.key=value (e.g. --train.steps=200).",
+    )
+    parser.add_argument("--config", required=False, help="TOML file or flavour name (tiny, 1b, 8b)")
+    parser.add_argument("--help-config", action="store_true", help="print every config key with its doc")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args, rest = parser.parse_known_args(argv)
+    if args.help_config:
+        return args, JobConfig()
+    # Overrides: "--section.key=value" or "--section.key value".
+    overrides: list[str] = []
+    it = iter(rest)
+    for arg in it:
+        if not (arg.startswith("--") and "." in arg.split("=", 1)[0]):
+            parser.error(f"unrecognised argument {arg!r}; overrides look like --section.key=value")
+        overrides.append(arg if "=" in arg else f"{arg}={next(it, '')}")
+    return args, load_config(args.config, overrides)
+
+
+def describe() -> str:
+    """All config keys with type, default and doc, for ``--help-config``."""
+    lines = []
+    for section in dataclasses.fields(JobConfig):
+        cls = section.default_factory  # type: ignore[misc]
+        docs = field_docs(cls)
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"  {f.name} = {default!r}  ({_type_name(f.type)})")
+            lines.append(f"      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _section(cfg: JobConfig, name: str, source: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if name not in names:
+        raise ConfigError(f"{source}: unknown config section {name!r}; sections are {names}")
+    return getattr(cfg, name)
+
+
+def _field(section: Any, section_name: str, key: str, source: str) -> dataclasses.Field:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise ConfigError(f"{source}: unknown key {section_name}.{key}; keys of [{section_name}]: {sorted(fields)}")
+    return fields[key]
+
+
+def _type_name(tp: Any) -> str:
+    return tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
+
+
+def _set(section: Any, section_name: str, key: str, value: Any, source: str) -> None:
+    f = _field(section, section_name, key, source)
+    hints = typing.get_type_hints(type(section))
+    expected = hints[key]
+    origin = typing.get_origin(expected)
+    ok: bool
+    if origin is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, expected)
+    if not ok:
+        raise ConfigError(
+            f"{source}: {section_name}.{key} must be of type {_type_name(f.type)}; got {value!r}"
+        )
+    setattr(section, key, value)
+
+
+def _parse_cli_value(section: Any, section_name: str, key: str, raw: str) -> Any:
+    hints = typing.get_type_hints(type(section))
+    if key not in hints:
+        return raw  # _set reports the unknown key with the list of valid ones
+    expected = hints[key]
+    try:
+        if expected is bool:
+            low = raw.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if expected is int:
+            return int(raw)
+        if expected is float:
+            return float(raw)
+        if typing.get_origin(expected) is list:
+            return [item for item in raw.split(",") if item] if raw else []
+    except ValueError:
+        raise ConfigError(
+            f"command line: --{section_name}.{key}={raw!r} is not a valid {_type_name(expected)}"
+        ) from None
+    return raw
+
+
+def _positive(section: Any, name: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value <= 0:
+            raise ConfigError(f"{name}.{key} must be > 0; got {value}")
+
+
+def _choice(section: Any, name: str, key: str, choices: tuple[str, ...]) -> None:
+    value = getattr(section, key)
+    if value not in choices:
+        raise ConfigError(f"{name}.{key} must be one of {list(choices)}; got {value!r}")

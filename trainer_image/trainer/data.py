@@ -1,0 +1,349 @@
+"""Token-shard reader and data loaders for the trainer.
+
+Reads the dataset format specified in ``SHARDS.md`` next to this file (version 1), written by data
+prep (``components/lib/tokendata.py``). numpy + torch only: no NVRx, no ``components`` imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: Format identity this reader accepts (SHARDS.md); must match the writer's constants.
+FORMAT = "resilient-train.token-shards"
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "manifest.json"
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_HASH_CHUNK_BYTES = 16 * 2**20
+_FIX = "re-run data prep (python -m components.lib.tokendata) to rebuild the dataset"
+
+
+class ShardError(ValueError):
+    """A dataset file is missing, corrupt or inconsistent with its manifest; names the file."""
+
+
+def _require_int(manifest_path: Path, where: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an int >= ``minimum``, else raise ShardError naming the field."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ShardError(f"{manifest_path}: {where} must be an integer >= {minimum}, got {value!r}; {_FIX}")
+    return value
+
+
+def _scan_file(path: Path, dtype: np.dtype) -> tuple[str, int]:
+    """Chunked pass over a shard: its sha256 hex and its largest token id (memory bounded)."""
+    digest = hashlib.sha256()
+    max_id = 0
+    buf = bytearray(_HASH_CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            chunk = np.frombuffer(view[: n - n % dtype.itemsize], dtype=dtype)
+            if chunk.size:
+                max_id = max(max_id, int(chunk.max()))
+    return digest.hexdigest(), max_id
+
+
+def _sha256_file(path: Path) -> str:
+    """sha256 hex of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ShardedTokens:
+    """One split of a token-shard dataset, validated against its manifest and memory-mapped read-only.
+
+    ``verify=True`` additionally hashes every shard (and the tokenizer) and checks that every token
+    id is below ``vocab_size``; size, dtype and presence checks always run.
+    """
+
+    def __init__(self, path: str | Path, split: str = "train", verify: bool = True) -> None:
+        self.path = Path(path)
+        self.split = split
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise ShardError(f"{manifest_path} not found: no complete dataset at {self.path}; {_FIX}")
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ShardError(f"{manifest_path} is not valid JSON ({err}); {_FIX}") from err
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+            raise ShardError(f"{manifest_path}: format {got!r} is not {FORMAT!r}; {_FIX}")
+        if manifest.get("version") not in SUPPORTED_VERSIONS:
+            raise ShardError(
+                f"{manifest_path}: format version {manifest.get('version')!r} is not supported by this trainer "
+                f"(supports {list(SUPPORTED_VERSIONS)}); {_FIX} with the matching version, or upgrade the trainer image"
+            )
+        dtype_name = manifest.get("dtype")
+        if dtype_name not in _DTYPES:
+            raise ShardError(f"{manifest_path}: dtype {dtype_name!r} is not one of {sorted(_DTYPES)}; {_FIX}")
+        vocab_size = _require_int(manifest_path, "vocab_size", manifest.get("vocab_size"), 1)
+        expected_dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+        if dtype_name != expected_dtype:
+            raise ShardError(
+                f"{manifest_path}: dtype {dtype_name} does not match vocab_size {vocab_size} "
+                f"(the format requires {expected_dtype}); {_FIX}"
+            )
+        eos_id = _require_int(manifest_path, "eos_id", manifest.get("eos_id"), 0)
+        if eos_id >= vocab_size:
+            raise ShardError(f"{manifest_path}: eos_id {eos_id} >= vocab_size {vocab_size}; {_FIX}")
+        splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
+        entries = splits.get(split)
+        if not isinstance(entries, list) or not entries:
+            raise ShardError(
+                f"{manifest_path}: no shards listed for split {split!r} (splits: {sorted(splits)}); "
+                f"use one of those splits or {_FIX}"
+            )
+
+        dtype = _DTYPES[dtype_name]
+        if verify:
+            self._verify_tokenizer(manifest_path, manifest)
+        shards: list[np.memmap] = []
+        for i, entry in enumerate(entries):
+            shards.append(self._open_shard(manifest_path, f"splits.{split}[{i}]", entry, dtype, vocab_size, verify))
+        total = sum(len(s) for s in shards)
+        declared = manifest.get("num_tokens", {}).get(split) if isinstance(manifest.get("num_tokens"), dict) else None
+        if declared != total:
+            raise ShardError(
+                f"{manifest_path}: num_tokens.{split} is {declared!r} but its shards hold {total} tokens; {_FIX}"
+            )
+        self._manifest = manifest
+        self._dtype_name = dtype_name
+        self.shards: tuple[np.memmap, ...] = tuple(shards)
+
+    def _verify_tokenizer(self, manifest_path: Path, manifest: dict) -> None:
+        """Check that the tokenizer file named by the manifest exists and matches its sha256."""
+        name = manifest.get("tokenizer")
+        if not isinstance(name, str) or Path(name).name != name:
+            raise ShardError(f"{manifest_path}: tokenizer must be a file name in the dataset directory; {_FIX}")
+        path = self.path / name
+        if not path.is_file():
+            raise ShardError(f"{path} is missing; {_FIX}")
+        if _sha256_file(path) != manifest.get("tokenizer_sha256"):
+            raise ShardError(f"{path} is corrupt: its sha256 does not match the manifest; {_FIX}")
+
+    def _open_shard(
+        self, manifest_path: Path, where: str, entry: object, dtype: np.dtype, vocab_size: int, verify: bool
+    ) -> np.memmap:
+        """Validate one manifest shard entry against its file and memory-map it."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or Path(entry["file"]).name != entry["file"]:
+            raise ShardError(f"{manifest_path}: {where} must name a shard file in the dataset directory; {_FIX}")
+        num_tokens = _require_int(manifest_path, f"{where}.num_tokens", entry.get("num_tokens"), 1)
+        path = self.path / entry["file"]
+        if not path.is_file():
+            raise ShardError(f"shard {path} is missing (listed in {manifest_path}); {_FIX}")
+        expected_bytes = num_tokens * dtype.itemsize
+        size = path.stat().st_size
+        if size != expected_bytes or entry.get("num_bytes") != expected_bytes:
+            raise ShardError(
+                f"shard {path} has {size} bytes but the manifest expects {num_tokens} tokens x {dtype.itemsize} bytes "
+                f"({dtype.name}) = {expected_bytes} (num_bytes={entry.get('num_bytes')!r}): the shard is truncated "
+                f"or was written with another dtype; {_FIX}"
+            )
+        if verify:
+            sha, max_id = _scan_file(path, dtype)
+            if sha != entry.get("sha256"):
+                raise ShardError(f"shard {path} is corrupt: its sha256 does not match the manifest; {_FIX}")
+            if max_id >= vocab_size:
+                raise ShardError(
+                    f"shard {path} holds token id {max_id} >= vocab_size {vocab_size}: wrong dtype or "
+                    f"wrong manifest; {_FIX}"
+                )
+        return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
+
+    @property
+    def manifest(self) -> dict:
+        """The parsed manifest.json (a copy)."""
+        return json.loads(json.dumps(self._manifest))
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer (size the embedding from it)."""
+        return self._manifest["vocab_size"]
+
+    @property
+    def eos_id(self) -> int:
+        """Token id that ends every document."""
+        return self._manifest["eos_id"]
+
+    @property
+    def dtype(self) -> str:
+        """On-disk token dtype name: ``uint16`` or ``uint32``."""
+        return self._dtype_name
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens in this split."""
+        return sum(len(s) for s in self.shards)
+
+    def num_samples(self, seq_len: int) -> int:
+        """Number of ``seq_len + 1``-token windows (step ``seq_len``) that fit inside the shards."""
+        return int(self._sample_offsets(seq_len)[-1])
+
+    def samples(self, indices: Sequence[int] | np.ndarray, seq_len: int) -> np.ndarray:
+        """The windows with the given global sample indices, as an int64 array ``[len(indices), seq_len + 1]``.
+
+        Sample ``k`` lies in the shard ``s`` with ``offsets[s] <= k < offsets[s + 1]`` and starts at
+        token ``(k - offsets[s]) * seq_len`` of it (SHARDS.md, "Training samples").
+        """
+        offsets = self._sample_offsets(seq_len)
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= offsets[-1]):
+            raise IndexError(f"sample index out of range [0, {offsets[-1]}) for seq_len {seq_len}")
+        out = np.empty((len(idx), seq_len + 1), dtype=np.int64)
+        shard_of = np.searchsorted(offsets, idx, side="right") - 1
+        for row, (k, s) in enumerate(zip(idx.tolist(), shard_of.tolist())):
+            start = (k - int(offsets[s])) * seq_len
+            out[row] = self.shards[s][start : start + seq_len + 1]
+        return out
+
+    def _sample_offsets(self, seq_len: int) -> np.ndarray:
+        """Cumulative sample counts per shard: ``[0, n0, n0 + n1, ...]``."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1")
+        counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def _check_layout(seq_len: int, batch_size: int, rank: int, world_size: int) -> None:
+    """Reject impossible loader arguments with a message naming the bad value."""
+    if seq_len < 1 or batch_size < 1 or world_size < 1:
+        raise ValueError(f"seq_len, batch_size and world_size must be >= 1 (got {seq_len}, {batch_size}, {world_size})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+
+
+def _require_samples(tokens: ShardedTokens, seq_len: int, needed: int) -> int:
+    """The split's sample count, or a clear error when it holds fewer than ``needed`` samples."""
+    available = tokens.num_samples(seq_len)
+    if available < needed:
+        raise ValueError(
+            f"split {tokens.split!r} of {tokens.path} has {tokens.num_tokens} tokens in {len(tokens.shards)} shard(s) = "
+            f"{available} samples of seq_len {seq_len}, but one global batch needs {needed} samples "
+            f"(at least {needed * seq_len + 1} tokens in one shard): use more data, a smaller seq_len, "
+            "or a smaller batch_size / world_size"
+        )
+    return available
+
+
+def _to_tensors(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``[n, seq_len + 1]`` windows into contiguous int64 (inputs, targets) tensors."""
+    return torch.from_numpy(np.ascontiguousarray(windows[:, :-1])), torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+
+
+class TokenLoader:
+    """Infinite, shuffled, resumable training batches for one rank.
+
+    Epoch ``e`` visits samples in the order ``np.random.default_rng([seed, e]).permutation(num_samples)``.
+    Each global step consumes the next ``world_size * batch_size`` indices (an incomplete tail is
+    dropped); rank ``r`` takes the slice ``[r * batch_size, (r + 1) * batch_size)`` of them. The state
+    is the global position, so a resume on another world size with the same global batch size
+    continues with exactly the same global batches.
+    """
+
+    def __init__(self, tokens: ShardedTokens, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        _check_layout(seq_len, batch_size, rank, world_size)
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.global_batch_size = batch_size * world_size
+        self.num_samples = _require_samples(tokens, seq_len, self.global_batch_size)
+        self.epoch = 0
+        self.position = 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """The sample order of one epoch."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next (inputs, targets), each an int64 CPU tensor ``[batch_size, seq_len]``."""
+        if self.position + self.global_batch_size > self.num_samples:
+            self.epoch += 1
+            self.position = 0
+            self._perm = self._permutation(self.epoch)
+        start = self.position + self.rank * self.batch_size
+        indices = self._perm[start : start + self.batch_size]
+        self.position += self.global_batch_size
+        return _to_tensors(self.tokens.samples(indices, self.seq_len))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """The global position (JSON-serializable ints); identical on every rank."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved global position; raise ValueError naming what to change on a mismatch."""
+        missing = {"epoch", "position", "seed", "seq_len", "global_batch_size", "num_samples"} - set(state)
+        if missing:
+            raise ValueError(f"loader state is missing {sorted(missing)}: it was not produced by TokenLoader.state_dict()")
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(f"loader state has seq_len={state['seq_len']} but this loader has {self.seq_len}: set seq_len={state['seq_len']} to resume")
+        if state["seed"] != self.seed:
+            raise ValueError(f"loader state has seed={state['seed']} but this loader has {self.seed}: set the data seed to {state['seed']} to resume")
+        if state["global_batch_size"] != self.global_batch_size:
+            gbs = state["global_batch_size"]
+            hint = (
+                f"set batch_size={gbs // self.world_size}"
+                if gbs % self.world_size == 0
+                else f"{gbs} is not divisible by world_size={self.world_size}: change the world size"
+            )
+            raise ValueError(
+                f"loader state has global batch size {gbs} but this loader has world_size*batch_size = "
+                f"{self.world_size}*{self.batch_size} = {self.global_batch_size}: {hint} to resume"
+            )
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"loader state was saved on a dataset with {state['num_samples']} samples but {self.tokens.path} "
+                f"({self.tokens.split}) has {self.num_samples}: resume with the same dataset"
+            )
+        if not (state["epoch"] >= 0 and 0 <= state["position"] <= self.num_samples):
+            raise ValueError(f"loader state has an invalid position (epoch={state['epoch']}, position={state['position']})")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._perm = self._permutation(self.epoch)
+
+
+def eval_batches(
+    tokens: ShardedTokens, seq_len: int, batch_size: int, rank: int, world_size: int, max_batches: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One deterministic, unshuffled pass over the split for validation loss (arguments checked eagerly).
+
+    Global batch ``g`` is samples ``[g * G, (g + 1) * G)`` with ``G = world_size * batch_size``; rank
+    ``r`` gets the contiguous slice ``[r * batch_size, (r + 1) * batch_size)`` of it. Only complete
+    global batches are yielded, so every rank yields the same number of equally shaped batches (safe
+    for per-batch collectives) and each sample is seen at most once across ranks.
+    """
+    _check_layout(seq_len, batch_size, rank, world_size)
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches={max_batches} must be >= 1, or None for the whole split")
+    global_batch = batch_size * world_size
+    num_batches = _require_samples(tokens, seq_len, global_batch) // global_batch
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+    starts = [g * global_batch + rank * batch_size for g in range(num_batches)]
+    return (_to_tensors(tokens.samples(np.arange(s, s + batch_size), seq_len)) for s in starts)

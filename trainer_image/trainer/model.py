@@ -1,0 +1,158 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention via ``scaled_dot_product_attention``.
+
+Plain PyTorch, no parallelism: ``parallel.py`` shards it with FSDP2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin tables of shape ``[seq_len, head_dim // 2, 2]`` (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles."""
+    seq = x.shape[1]
+    cos = tables[:seq, :, 0].view(1, seq, 1, -1)
+    sin = tables[:seq, :, 1].view(1, seq, 1, -1)
+    x32 = x.float().unflatten(-1, (-1, 2))
+    even, odd = x32[..., 0], x32[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model. ``forward(tokens) -> logits`` (``[batch, seq, vocab]``)."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be resolved (> 0) before building the model")
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer(
+            "rope", rope_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta), persistent=False
+        )
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from ``seed``: the same weights on every rank and every world size."""
+        gen = torch.Generator(device=self.output.weight.device).manual_seed(seed)
+        std = self.cfg.init_std
+        # Residual projections are scaled down with depth (GPT-2 / Llama practice).
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(("wo.weight", "w2.weight")):
+                    param.normal_(0.0, out_std, generator=gen)
+                else:
+                    param.normal_(0.0, std, generator=gen)
+            self.rope.copy_(
+                rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts computed from the config alone (no model needed)."""
+    head_dim = cfg.dim // cfg.n_heads
+    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    ffn = 3 * cfg.dim * cfg.ffn_dim
+    block = attn + ffn + 2 * cfg.dim
+    embedding = cfg.vocab_size * cfg.dim
+    total = embedding + cfg.n_layers * block + cfg.dim + cfg.vocab_size * cfg.dim
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 x non-embedding params plus causal attention.
+
+    Attention scores and values cost ``2 * 2 * seq_len * dim`` FLOPs per layer and token forward when not
+    masked; the same convention as torchtitan and the PaLM paper (``12 * L * d * T`` for fwd+bwd) is used.
+    """
+    params = count_params(cfg)["non_embedding"]
+    return 6.0 * params + 12.0 * cfg.n_layers * cfg.dim * seq_len

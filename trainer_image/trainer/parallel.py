@@ -1,0 +1,106 @@
+"""Process group and FSDP2 sharding. Backend from the device: NCCL with one GPU per process, gloo on CPU."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits; read from the launcher's environment (torchrun, ft_launcher, PyTorchJob)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def select_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+        torch.set_num_threads(threads)
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use --train.device=cpu")
+    if env.local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"local rank {env.local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+            "set nproc_per_node to at most the number of GPUs per node"
+        )
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(
+    device: torch.device, env: DistEnv, timeout_s: float, store: dist.Store | None = None
+) -> None:
+    """Initialise the default process group. ``store`` lets the in-process restart layer pass a fresh
+    ``PrefixStore`` each iteration; without one the launcher's env rendezvous is used."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs: dict = {"backend": backend_for(device), "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if store is not None:
+        dist.init_process_group(store=store, rank=env.rank, world_size=env.world_size, **kwargs)
+    elif "MASTER_ADDR" in os.environ:
+        dist.init_process_group(init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs)
+    else:  # a single process with no launcher: a private in-memory store
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPolicy:
+    mode = cfg.mixed_precision
+    if mode == "auto":
+        mode = "bf16" if device.type == "cuda" else "fp32"
+    if mode == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 per block, then root."""
+    policy = mixed_precision(cfg, device)
+    layers = model.layers  # type: ignore[attr-defined]
+    for idx, block in enumerate(layers):
+        if cfg.activation_checkpointing:
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if cfg.compile:
+            block = torch.compile(block)
+        # The last block's parameters are needed again right away by the root's backward; keep them.
+        fully_shard(block, mp_policy=policy, reshard_after_forward=idx < len(layers) - 1)
+        layers[idx] = block
+    fully_shard(model, mp_policy=policy)
+    return model

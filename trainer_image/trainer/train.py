@@ -1,0 +1,215 @@
+"""The training loop: one short, flat loop; policies live in the objects that own them.
+
+``Resources`` are built once per process (they hold no process-group state and survive in-process restarts);
+``train()`` is the restartable function: it (re)builds the process group, the sharded model and optimizer,
+restores the latest state and runs steps until ``train.steps``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import parallel
+from trainer.checkpoint import CheckpointManager
+from trainer.config import ConfigError, JobConfig, OptimConfig
+from trainer.data import ShardedTokens, TokenLoader
+from trainer.metrics import MetricsLogger, peak_bf16_flops
+from trainer.model import Transformer, count_params, flops_per_token
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resources:
+    """Process-group-independent things, built once per process and reused by every (re)start of ``train``."""
+
+    cfg: JobConfig
+    env: parallel.DistEnv
+    device: torch.device
+    dataset: ShardedTokens
+    metrics: MetricsLogger
+    started_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
+        env = env or parallel.DistEnv.from_environ()
+        device = parallel.select_device(cfg.train, env)
+        if cfg.train.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = dataset.vocab_size
+        elif cfg.model.vocab_size < dataset.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the dataset's vocabulary "
+                f"({dataset.vocab_size}); set --model.vocab_size=0 to take it from the dataset"
+            )
+        metrics = MetricsLogger(cfg.train.run_dir, enabled=env.is_main)
+        return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics)
+
+
+class TrainProgress:
+    """Step counter and RNG states (CPU and CUDA, per rank): the part of a restart that is not a tensor shard."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.step, "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng_cpu"])
+        if "rng_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+def build_model(cfg: JobConfig, device: torch.device) -> nn.Module:
+    """Full deterministic init on the target device (same weights for any world size), then FSDP2 sharding."""
+    with torch.device(device):
+        model = Transformer(cfg.model, max_seq_len=cfg.data.seq_len)
+    model.init_weights(cfg.train.seed)
+    return parallel.apply_fsdp(model, cfg.train, device)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: the per-parameter path is bit-identical between runs and world sizes on CPU.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``total_steps`` (1-based step)."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def global_mean(value: torch.Tensor, world_size: int) -> float:
+    value = value.detach().float().clone()
+    if world_size > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.item() / world_size
+
+
+def train(res: Resources, store: dist.Store | None = None) -> dict[str, Any]:
+    """Run (or resume) training up to ``train.steps``; returns the summary. Restartable in-process."""
+    cfg, env, device = res.cfg, res.env, res.device
+    parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
+    checkpointer = CheckpointManager(cfg.checkpoint, cfg.checkpoint_dir, env, config_json=cfg.to_json())
+    try:
+        model = build_model(cfg, device)
+        optimizer = build_optimizer(model, cfg.optim)
+        loader = TokenLoader(
+            res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size, cfg.data.seed
+        )
+        progress = TrainProgress()
+        state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader}
+        checkpointer.load_latest(state)
+        return _loop(res, model, optimizer, loader, progress, checkpointer, state)
+    finally:
+        checkpointer.close()
+        parallel.destroy_process_group()
+
+
+def _loop(
+    res: Resources,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: TokenLoader,
+    progress: TrainProgress,
+    checkpointer: CheckpointManager,
+    state: dict[str, Any],
+) -> dict[str, Any]:
+    cfg, env, device = res.cfg, res.env, res.device
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * env.world_size
+    flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+    peak = peak_bf16_flops(device)
+    first_step = progress.step + 1
+    if progress.step == 0:
+        res.metrics.log(
+            {"event": "start", "world_size": env.world_size, "device": str(device),
+             "params": count_params(cfg.model), "tokens_per_step": tokens_per_step, "model": cfg.model.name}
+        )
+    else:
+        res.metrics.log({"event": "resume", "step": progress.step})
+    loss = torch.zeros((), device=device)
+    t_last, steps_since_log = time.perf_counter(), 0
+    for step in range(first_step, cfg.train.steps + 1):
+        lr = lr_at(step, cfg.optim, cfg.train.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        loss.backward()
+        grad_norm = None
+        if cfg.optim.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        checkpointer.wait_for_staging()  # async-safety: the previous save's staging must be done
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step = step
+        steps_since_log += 1
+        last_step = step == cfg.train.steps
+        if step % cfg.train.log_every == 0 or last_step:
+            loss_value = global_mean(loss, env.world_size)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            step_time = (now - t_last) / steps_since_log
+            t_last, steps_since_log = now, 0
+            res.metrics.log(
+                {
+                    "event": "step",
+                    "step": step,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": _to_float(grad_norm),
+                    "step_time_s": step_time,
+                    "tokens_per_s": tokens_per_step / step_time,
+                    "mfu": flops_per_step / step_time / (peak * env.world_size) if peak else None,
+                }
+            )
+        checkpointer.save(step, state, last_step=last_step)
+    summary = {
+        "event": "summary",
+        "steps": progress.step,
+        "tokens": progress.step * tokens_per_step,
+        "final_loss": global_mean(loss, env.world_size),
+        "wall_time_s": time.time() - res.started_at,
+        "world_size": env.world_size,
+    }
+    res.metrics.log(summary)
+    if env.is_main:
+        (Path(cfg.train.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _to_float(value: torch.Tensor | None) -> float | None:
+    if value is None:
+        return None
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
