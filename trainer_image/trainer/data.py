@@ -135,10 +135,14 @@ class ShardedTokens:
         self, manifest_path: Path, where: str, entry: object, dtype: np.dtype, vocab_size: int, verify: bool
     ) -> np.memmap:
         """Validate one manifest shard entry against its file and memory-map it."""
-        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or Path(entry["file"]).name != entry["file"]:
-            raise ShardError(f"{manifest_path}: {where} must name a shard file in the dataset directory; {_FIX}")
+        bad_entry = f"{manifest_path}: {where} must name a shard file in the dataset directory; {_FIX}"
+        if not isinstance(entry, dict):
+            raise ShardError(bad_entry)
+        name = entry.get("file")
+        if not isinstance(name, str) or Path(name).name != name:
+            raise ShardError(bad_entry)
         num_tokens = _require_int(manifest_path, f"{where}.num_tokens", entry.get("num_tokens"), 1)
-        path = self.path / entry["file"]
+        path = self.path / name
         if not path.is_file():
             raise ShardError(f"shard {path} is missing (listed in {manifest_path}); {_FIX}")
         expected_bytes = num_tokens * dtype.itemsize
@@ -227,7 +231,8 @@ def _require_samples(tokens: ShardedTokens, seq_len: int, needed: int) -> int:
     available = tokens.num_samples(seq_len)
     if available < needed:
         raise ValueError(
-            f"split {tokens.split!r} of {tokens.path} has {tokens.num_tokens} tokens in {len(tokens.shards)} shard(s) = "
+            f"split {tokens.split!r} of {tokens.path} has {tokens.num_tokens} tokens in "
+            f"{len(tokens.shards)} shard(s) = "
             f"{available} samples of seq_len {seq_len}, but one global batch needs {needed} samples "
             f"(at least {needed * seq_len + 1} tokens in one shard): use more data, a smaller seq_len, "
             "or a smaller batch_size / world_size"
@@ -237,7 +242,8 @@ def _require_samples(tokens: ShardedTokens, seq_len: int, needed: int) -> int:
 
 def _to_tensors(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``[n, seq_len + 1]`` windows into contiguous int64 (inputs, targets) tensors."""
-    return torch.from_numpy(np.ascontiguousarray(windows[:, :-1])), torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+    return inputs, torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
 
 
 class TokenLoader:
@@ -250,7 +256,9 @@ class TokenLoader:
     continues with exactly the same global batches.
     """
 
-    def __init__(self, tokens: ShardedTokens, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+    def __init__(
+        self, tokens: ShardedTokens, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int
+    ) -> None:
         _check_layout(seq_len, batch_size, rank, world_size)
         self.tokens = tokens
         self.seq_len = seq_len
@@ -300,11 +308,19 @@ class TokenLoader:
         """Continue from a saved global position; raise ValueError naming what to change on a mismatch."""
         missing = {"epoch", "position", "seed", "seq_len", "global_batch_size", "num_samples"} - set(state)
         if missing:
-            raise ValueError(f"loader state is missing {sorted(missing)}: it was not produced by TokenLoader.state_dict()")
+            raise ValueError(
+                f"loader state is missing {sorted(missing)}: it was not produced by TokenLoader.state_dict()"
+            )
         if state["seq_len"] != self.seq_len:
-            raise ValueError(f"loader state has seq_len={state['seq_len']} but this loader has {self.seq_len}: set seq_len={state['seq_len']} to resume")
+            raise ValueError(
+                f"loader state has seq_len={state['seq_len']} but this loader has {self.seq_len}: "
+                f"set seq_len={state['seq_len']} to resume"
+            )
         if state["seed"] != self.seed:
-            raise ValueError(f"loader state has seed={state['seed']} but this loader has {self.seed}: set the data seed to {state['seed']} to resume")
+            raise ValueError(
+                f"loader state has seed={state['seed']} but this loader has {self.seed}: "
+                f"set the data seed to {state['seed']} to resume"
+            )
         if state["global_batch_size"] != self.global_batch_size:
             gbs = state["global_batch_size"]
             hint = (
@@ -322,7 +338,9 @@ class TokenLoader:
                 f"({self.tokens.split}) has {self.num_samples}: resume with the same dataset"
             )
         if not (state["epoch"] >= 0 and 0 <= state["position"] <= self.num_samples):
-            raise ValueError(f"loader state has an invalid position (epoch={state['epoch']}, position={state['position']})")
+            raise ValueError(
+                f"loader state has an invalid position (epoch={state['epoch']}, position={state['position']})"
+            )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._perm = self._permutation(self.epoch)
