@@ -31,7 +31,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m demo
+	$(PY) -m pipelines.demo
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

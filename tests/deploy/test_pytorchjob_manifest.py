@@ -1,0 +1,63 @@
+"""The PyTorchJobs the launcher builds (components/lib/pytorchjob.py) fit the deployment: the CRD v1.9.4
+schema accepts them without pruning a field, /dev/shm is memory-backed with no PodDefault, the shared
+volume is the PVC that deploy/ creates, and the kueue overlay's queue name becomes the job's label."""
+from __future__ import annotations
+
+import pytest
+from deploy_checks import DEPLOY, render, the, validate_object
+
+from components.lib.pytorchjob import TrainJobSpec, build_pytorchjob, to_manifest
+
+KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def spec_for(overlay: str, **overrides) -> TrainJobSpec:
+    """A job as the pipeline would launch it in `overlay`'s namespace, on its PVC, with its queue name."""
+    objects = render(DEPLOY / "overlays" / overlay)
+    pvc = the(objects, "PersistentVolumeClaim")
+    queue = the(objects, "ConfigMap", "train-launcher-config")["data"]["KUEUE_QUEUE_NAME"]
+    fields = dict(
+        name="train-run-1234567890", image="registry.example.com/resilient-train:1", namespace=pvc["metadata"]["namespace"],
+        args=["--config", "/opt/app/trainer_image/trainer/configs/tiny.toml"], pvc_name=pvc["metadata"]["name"],
+        labels={KUEUE_LABEL: queue} if queue else {}, service_account=None,
+    )
+    fields.update(overrides)
+    return TrainJobSpec(**fields)
+
+
+CASES = {
+    "local-dev cpu": ("local-dev", {}),
+    "gpu 4 nodes x 8": ("gpu-cluster", dict(nodes=4, nproc_per_node=8, gpus_per_node=8, memory_request="512Gi",
+                                            shm_size="64Gi", secret_env_from=["hf-token"],
+                                            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                          "effect": "NoSchedule"}])),
+    "kueue 2 nodes": ("kueue", dict(nodes=2, nproc_per_node=8, gpus_per_node=8)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_launcher_pytorchjob_matches_crd_and_deployment(case):
+    overlay, overrides = CASES[case]
+    spec = spec_for(overlay, **overrides)
+    manifest = to_manifest(build_pytorchjob(spec))
+    validate_object(manifest)
+
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert sum(r["replicas"] for r in replicas.values()) == spec.nodes
+    for replica in replicas.values():
+        pod = replica["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        # /dev/shm: a memory-backed emptyDir in the manifest itself (no PodDefault, no admission webhook).
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["sizeLimit"] == spec.shm_size
+        # The shared volume is the PVC the overlay creates.
+        shared = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert [v["persistentVolumeClaim"]["claimName"] for v in shared] == ["train-shared"]
+        assert container["command"] == ["/opt/app/trainer_image/entrypoint.sh"]
+    labels = manifest["metadata"].get("labels", {})
+    if overlay == "kueue":
+        assert labels[KUEUE_LABEL] == the(render(DEPLOY / "overlays" / "kueue"), "LocalQueue")["metadata"]["name"]
+    else:
+        assert KUEUE_LABEL not in labels

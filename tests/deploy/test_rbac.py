@@ -1,0 +1,82 @@
+"""The launcher's Role grants exactly the API calls the launcher makes: no more, no wildcards, one namespace.
+
+The required permissions are not typed here: the stub API server (tests/launcher/k8s_stub.py) records
+every request the launcher makes across its representative scenarios and `launcher_permissions()`
+returns them as (apiGroup, resource, verb) triples.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+
+import pytest
+from deploy_checks import DEPLOY, OVERLAYS, REPO, render, the
+
+STUB = REPO / "tests" / "launcher" / "k8s_stub.py"
+CLUSTER_WIDE = {"ClusterRole", "ClusterRoleBinding"}
+
+
+def derived_permissions() -> set[tuple[str, str, str]]:
+    if not STUB.is_file():
+        pytest.fail(f"{STUB.relative_to(REPO)} is missing: the Role cannot be checked against the launcher",
+                    pytrace=False)
+    sys.path.insert(0, str(STUB.parent))
+    try:
+        stub = importlib.import_module(STUB.stem)
+    finally:
+        sys.path.remove(str(STUB.parent))
+    return {tuple(p) for p in stub.launcher_permissions()}
+
+
+def granted(role: dict) -> list[tuple[str, str, str]]:
+    """Every (apiGroup, resource, verb) the Role's rules grant, duplicates kept."""
+    triples = []
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, (
+            f"rule uses {sorted(set(rule) - {'apiGroups', 'resources', 'verbs'})}: "
+            "resourceNames/nonResourceURLs are not expected for the launcher"
+        )
+        for field in ("apiGroups", "resources", "verbs"):
+            assert rule[field], f"rule with empty {field}: {rule}"
+            assert not any("*" in value for value in rule[field]), f"wildcard in {field}: {rule}"
+        triples += itertools.product(rule["apiGroups"], rule["resources"], rule["verbs"])
+    return triples
+
+
+@pytest.fixture(scope="module")
+def launcher_needs() -> set[tuple[str, str, str]]:
+    needs = derived_permissions()
+    assert ("kubeflow.org", "pytorchjobs", "create") in needs, f"stub scenarios never created a job: {needs}"
+    return needs
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_role_grants_exactly_what_the_launcher_uses(overlay, launcher_needs):
+    objects = render(DEPLOY / "overlays" / overlay)
+    assert not [o for o in objects if o["kind"] in CLUSTER_WIDE], "no cluster-wide RBAC may be shipped"
+    role = the(objects, "Role", "train-launcher")
+    assert role["metadata"].get("namespace"), "the Role must be namespaced"
+    triples = granted(role)
+    assert len(triples) == len(set(triples)), f"a permission is granted twice: {sorted(triples)}"
+    missing = launcher_needs - set(triples)
+    extra = set(triples) - launcher_needs
+    assert not missing and not extra, (
+        f"Role train-launcher differs from the launcher's API calls:\n"
+        f"  missing (the launcher would get 403): {sorted(missing)}\n"
+        f"  extra (not least privilege): {sorted(extra)}"
+    )
+    # Only the launcher's ServiceAccount gets it.
+    assert [b["subjects"] for b in objects if b["kind"] == "RoleBinding"] == [
+        [{"kind": "ServiceAccount", "name": "train-launcher", "namespace": role["metadata"]["namespace"]}]
+    ]
+
+
+def test_rule_expansion_catches_wildcards_and_extras():
+    role = {"rules": [{"apiGroups": [""], "resources": ["pods", "pods/log"], "verbs": ["get", "list"]}]}
+    assert sorted(granted(role)) == [("", "pods", "get"), ("", "pods", "list"),
+                                     ("", "pods/log", "get"), ("", "pods/log", "list")]
+    with pytest.raises(AssertionError, match="wildcard"):
+        granted({"rules": [{"apiGroups": ["kubeflow.org"], "resources": ["*"], "verbs": ["get"]}]})
+    with pytest.raises(AssertionError, match="resourceNames"):
+        granted({"rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"], "resourceNames": ["x"]}]})
