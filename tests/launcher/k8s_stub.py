@@ -1,0 +1,559 @@
+"""A stub Kubernetes API server for launcher tests, and the permissions the launcher uses.
+
+`StubCluster` serves, on 127.0.0.1 (a free port, `http.server.ThreadingHTTPServer` in a thread), just
+what `components.lib.k8s_launcher` calls: ``kubeflow.org/v1`` namespaced ``pytorchjobs``
+create/get/list/watch (``?watch=true``, chunked JSON lines)/delete; ``pods`` list; ``pods/log`` (follow,
+chunked). A `Scenario` plays the training-operator: after each create it applies its actions in order
+(conditions as v1.9 sets them, Master pods that start, log and exit), and it scripts watch disconnects,
+``410 Gone`` and a pre-existing job from an earlier attempt.
+
+Every request is recorded as (method, path) and mapped to the RBAC triple (apiGroup, resource
+[/subresource], verb). `launcher_permissions()` runs representative launcher scenarios against the stub
+and returns the set of triples the launcher used; `rbac_rules()` groups them per resource. A Role test
+(``deploy/``) compares its rules with these, so the Role follows the code rather than a list typed by hand.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from kubernetes import client as k8s
+
+from components.lib.k8s_launcher import LauncherError, LauncherTimings, PyTorchJobLauncher
+from components.lib.pytorchjob import TrainJobSpec, build_pytorchjob, job_name, to_manifest
+
+STEP_DELAY_S = 0.05
+"""Pause between two scenario actions, so the launcher sees each state."""
+DELETE_DELAY_S = 0.2
+"""How long a foreground-deleted job lingers with a deletionTimestamp."""
+WAIT_SLICE_S = 0.05
+"""Granularity of the server's blocking waits (so it notices shutdown)."""
+FAST_TIMINGS = LauncherTimings(watch_timeout_s=2, request_timeout_s=5.0, stream_grace_s=2.0, deadline_margin_s=1.0,
+                               delete_timeout_s=5.0, poll_s=0.05, log_read_timeout_s=5.0, log_drain_s=3.0,
+                               log_tail_lines=20)
+SWEEP_TIMINGS = replace(FAST_TIMINGS, deadline_margin_s=0.2)
+"""For `launcher_permissions`: its deadline scenario need not wait long."""
+
+_JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([^/]+))?$")
+_PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
+
+Action = Callable[["StubCluster", str, str], None]
+"""One scripted operator step applied to job (namespace, name)."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def condition(ctype: str, message: str = "", reason: str | None = None) -> Action:
+    """Set a job condition as training-operator v1.9 does (Running and Restarting replace each other)."""
+    return lambda cluster, ns, name: cluster.set_condition(ns, name, ctype, reason or f"PyTorchJob{ctype}",
+                                                           message or f"PyTorchJob {name} is {ctype.lower()}.")
+
+
+def master_up(*lines: str) -> Action:
+    """A (new) Master pod starts Running and prints `lines`."""
+    return lambda cluster, ns, name: cluster.start_master(ns, name, lines)
+
+
+def master_log(*lines: str) -> Action:
+    """The running Master pod prints `lines`."""
+    return lambda cluster, ns, name: cluster.master_log(ns, name, lines)
+
+
+def master_exit(code: int) -> Action:
+    """The Master container exits with `code` (pod phase Succeeded for 0, Failed otherwise)."""
+    return lambda cluster, ns, name: cluster.exit_master(ns, name, code)
+
+
+def succeeding(*lines: str) -> list[Action]:
+    """Created -> Running (Master prints `lines`) -> Succeeded."""
+    return [condition("Created"), master_up(*lines[:1]), condition("Running"), master_log(*lines[1:]),
+            master_exit(0), condition("Succeeded")]
+
+
+def failing(message: str, *lines: str) -> list[Action]:
+    """Created -> Running (Master prints `lines`, exits 1: permanent) -> Failed with `message`."""
+    return [condition("Created"), master_up(), condition("Running"), master_log(*lines), master_exit(1),
+            condition("Failed", message)]
+
+
+def restarting(times: int) -> list[Action]:
+    """Running, then `times` cycles of Master exit 137 -> Restarting -> new Master pod -> Running."""
+    actions = [condition("Created"), master_up("attempt 0"), condition("Running")]
+    for attempt in range(1, times + 1):
+        actions += [master_exit(137), condition("Restarting", f"PyTorchJob restarting because 1 Master replica(s) "
+                                                              f"failed (attempt {attempt})."),
+                    master_up(f"attempt {attempt}"), condition("Running")]
+    return actions
+
+
+def finishing(*lines: str) -> list[Action]:
+    """For a job already Running: a Master pod prints `lines`, exits 0 -> Succeeded."""
+    return [master_up(*lines), master_exit(0), condition("Succeeded")]
+
+
+def running_forever() -> list[Action]:
+    """Created -> Running, and nothing after."""
+    return [condition("Created"), master_up("training..."), condition("Running")]
+
+
+@dataclass
+class Scenario:
+    """What the stub's "operator" does with each created job, and which faults the API serves."""
+
+    actions: Sequence[Action] = ()
+    step_delay_s: float = STEP_DELAY_S
+    watch_disconnects: int = 0
+    """The first N watch connections are cut (no final chunk) after their first event."""
+    watch_gone: int = 0
+    """The first N watches that resume from a resourceVersion get ERROR 410 Gone."""
+    log_disconnects: int = 0
+    """The first N follow streams of a pod log are cut after their first line."""
+    existing_state: str | None = None
+    """A job of the launched name already exists in this state (an earlier attempt); put it with
+    `StubCluster.put_job`. The actions play on an existing ``Running`` job, else on the next created one."""
+    delete_delay_s: float = DELETE_DELAY_S
+
+
+@dataclass
+class _PodLog:
+    lines: list[tuple[float, str, str]] = field(default_factory=list)
+    """(monotonic time, RFC3339 timestamp, text) per line."""
+    closed: bool = False
+
+
+class StubCluster:
+    """The stub API server and its state; a context manager that serves while open."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.logs: dict[str, _PodLog] = {}
+        self.events: list[tuple[int, str, dict[str, Any]]] = []
+        self.requests: list[tuple[str, str, tuple[str, str, str]]] = []
+        self.created: list[str] = []
+        self.deleted: list[tuple[str, bool]] = []
+        """(name, foreground) of every delete of an existing job."""
+        self._rv = itertools.count(1000)
+        self.changed = threading.Condition()
+        self.stopping = threading.Event()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._server.daemon_threads = True
+        self._server.stub = self  # type: ignore[attr-defined]
+        self.port = self._server.server_address[1]
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> StubCluster:
+        threading.Thread(target=self._server.serve_forever, args=(WAIT_SLICE_S,), name="k8s-stub",
+                         daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        with self.changed:
+            self.changed.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def api_client(self) -> k8s.ApiClient:
+        """A client configured for this server."""
+        return k8s.ApiClient(k8s.Configuration(host=f"http://127.0.0.1:{self.port}"))
+
+    def launcher(self, out: io.StringIO | None = None,
+                 timings: LauncherTimings = FAST_TIMINGS) -> PyTorchJobLauncher:
+        """A launcher whose clients talk to this server."""
+        api = self.api_client()
+        return PyTorchJobLauncher(k8s.CustomObjectsApi(api), k8s.CoreV1Api(api), timings, out or io.StringIO())
+
+    def permissions(self) -> set[tuple[str, str, str]]:
+        """(apiGroup, resource, verb) of every request served so far."""
+        return {perm for _, _, perm in self.requests}
+
+    # --- the "operator" ------------------------------------------------------------------------
+    def put_job(self, manifest: dict[str, Any], state: str | None = None) -> dict[str, Any]:
+        """Store a job, optionally already in `state`; the scenario plays on new and Running jobs."""
+        meta = manifest["metadata"]
+        job = json.loads(json.dumps(manifest))
+        job["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now())
+        job["status"] = {"conditions": []}
+        with self.changed:
+            self.jobs[(meta["namespace"], meta["name"])] = job
+            self._bump("ADDED", job)
+        if state is not None:
+            self.set_condition(meta["namespace"], meta["name"], state, f"PyTorchJob{state}", f"earlier {state}")
+        if state in (None, "Running"):
+            threading.Thread(target=self._play, args=(meta["namespace"], meta["name"], job["metadata"]["uid"]),
+                             daemon=True).start()
+        return job
+
+    def _play(self, ns: str, name: str, uid: str) -> None:
+        for action in self.scenario.actions:
+            time.sleep(self.scenario.step_delay_s)
+            with self.changed:
+                job = self.jobs.get((ns, name))
+                if self.stopping.is_set() or job is None or job["metadata"]["uid"] != uid \
+                        or "deletionTimestamp" in job["metadata"]:
+                    return
+            action(self, ns, name)
+
+    def _bump(self, etype: str, obj: dict[str, Any]) -> None:
+        """Give `obj` a new resourceVersion and publish the event (caller holds `changed`)."""
+        rv = next(self._rv)
+        obj["metadata"]["resourceVersion"] = str(rv)
+        self.events.append((rv, etype, json.loads(json.dumps(obj))))
+        self.changed.notify_all()
+
+    def set_condition(self, ns: str, name: str, ctype: str, reason: str, message: str) -> None:
+        with self.changed:
+            job = self.jobs[(ns, name)]
+            now = _now()
+            replaced = {ctype, {"Running": "Restarting", "Restarting": "Running"}.get(ctype, ctype)}
+            conds = [c for c in job["status"]["conditions"] if c["type"] not in replaced]
+            for c in conds:
+                if ctype in ("Succeeded", "Failed") and c["type"] == "Running":
+                    c["status"] = "False"
+            conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,
+                          "lastUpdateTime": now, "lastTransitionTime": now})
+            job["status"]["conditions"] = conds
+            self._bump("MODIFIED", job)
+
+    def start_master(self, ns: str, name: str, lines: Sequence[str]) -> None:
+        pod_name = f"{name}-master-0"
+        uid = str(uuid.uuid4())
+        with self.changed:
+            old = self.pods.get((ns, pod_name))
+            if old is not None:
+                self.logs[old["metadata"]["uid"]].closed = True
+            self.pods[(ns, pod_name)] = {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod_name, "namespace": ns, "uid": uid, "creationTimestamp": _now(),
+                             "labels": {"training.kubeflow.org/job-name": name,
+                                        "training.kubeflow.org/replica-type": "master",
+                                        "training.kubeflow.org/replica-index": "0"}},
+                "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]},
+                "status": {"phase": "Running"},
+            }
+            self.logs[uid] = _PodLog([(time.monotonic(), _now(), line) for line in lines])
+            self.changed.notify_all()
+
+    def master_log(self, ns: str, name: str, lines: Sequence[str]) -> None:
+        with self.changed:
+            log = self.logs[self.pods[(ns, f"{name}-master-0")]["metadata"]["uid"]]
+            log.lines += [(time.monotonic(), _now(), line) for line in lines]
+            self.changed.notify_all()
+
+    def exit_master(self, ns: str, name: str, code: int) -> None:
+        with self.changed:
+            pod = self.pods[(ns, f"{name}-master-0")]
+            pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
+                {"name": "pytorch", "ready": False, "restartCount": 0, "image": "trainer", "imageID": "",
+                 "state": {"terminated": {"exitCode": code}}}]}
+            self.logs[pod["metadata"]["uid"]].closed = True
+            self.changed.notify_all()
+
+    def delete_job(self, ns: str, name: str, foreground: bool) -> dict[str, Any] | None:
+        with self.changed:
+            job = self.jobs.get((ns, name))
+            if job is None:
+                return None
+            self.deleted.append((name, foreground))
+            if "deletionTimestamp" not in job["metadata"]:
+                job["metadata"]["deletionTimestamp"] = _now()
+                if foreground:
+                    job["metadata"]["finalizers"] = ["foregroundDeletion"]
+                self._bump("MODIFIED", job)
+                delay = self.scenario.delete_delay_s if foreground else 0.0
+                threading.Timer(delay, self._remove_job, args=(ns, name, job["metadata"]["uid"])).start()
+            return json.loads(json.dumps(job))
+
+    def _remove_job(self, ns: str, name: str, uid: str) -> None:
+        with self.changed:
+            job = self.jobs.get((ns, name))
+            if job is None or job["metadata"]["uid"] != uid:
+                return
+            for key in [k for k, p in self.pods.items()
+                        if k[0] == ns and p["metadata"]["labels"]["training.kubeflow.org/job-name"] == name]:
+                self.logs[self.pods.pop(key)["metadata"]["uid"]].closed = True
+            del self.jobs[(ns, name)]
+            self._bump("DELETED", job)
+
+    def state_of(self, ns: str, name: str) -> list[str]:
+        """Types of the job's true conditions; [] when the job does not exist."""
+        with self.changed:
+            job = self.jobs.get((ns, name))
+            return [] if job is None else [c["type"] for c in job["status"]["conditions"] if c["status"] == "True"]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until `predicate()` holds (re-checked on every change) or `timeout_s` passes."""
+        end = time.monotonic() + timeout_s
+        with self.changed:
+            while not predicate():
+                if time.monotonic() >= end:
+                    return False
+                self.changed.wait(WAIT_SLICE_S)
+        return True
+
+
+def _rbac(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
+    """The (apiGroup, resource[/subresource], verb) an API server authorizes a request as."""
+    if m := _JOBS.match(path):
+        group, resource, item = "kubeflow.org", "pytorchjobs", m.group(2)
+    elif m := _PODS.match(path):
+        group, resource, item = "", "pods" + ("/log" if m.group(3) else ""), m.group(2)
+    else:
+        return ("?", path, method.lower())
+    if method == "GET":
+        verb = "get" if item else ("watch" if _flag(query, "watch") else "list")
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch",
+                "DELETE": "delete" if item else "deletecollection"}[method]
+    return (group, resource, verb)
+
+
+def _flag(query: dict[str, str], name: str) -> bool:
+    """A boolean query parameter as the API server parses it (the Python client sends "True")."""
+    return query.get(name, "").lower() in ("true", "1")
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: ThreadingHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep test output quiet
+        pass
+
+    @property
+    def stub(self) -> StubCluster:
+        return self.server.stub  # type: ignore[attr-defined]
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else {}
+        self.stub.requests.append((method, url.path, _rbac(method, url.path, query)))
+        if m := _JOBS.match(url.path):
+            self._jobs(method, m.group(1), m.group(2), query, body)
+        elif (m := _PODS.match(url.path)) and method == "GET":
+            if m.group(3):
+                self._log(m.group(1), m.group(2), query)
+            elif m.group(2) is None:
+                self._list_pods(m.group(1), query)
+            else:
+                self._json(405, _status(405, "MethodNotAllowed", "not served by the stub"))
+        else:
+            self._json(404, _status(404, "NotFound", f"the stub does not serve {method} {url.path}"))
+
+    # --- pytorchjobs -----------------------------------------------------------------------------
+    def _jobs(self, method: str, ns: str, name: str | None, query: dict[str, str], body: dict[str, Any]) -> None:
+        stub = self.stub
+        if method == "POST" and name is None:
+            key = (ns, body["metadata"]["name"])
+            with stub.changed:
+                exists = key in stub.jobs
+            if exists:
+                self._json(409, _status(409, "AlreadyExists", f'pytorchjobs.kubeflow.org "{key[1]}" already exists'))
+                return
+            stub.created.append(key[1])
+            self._json(201, stub.put_job(body))
+        elif method == "GET" and name is not None:
+            with stub.changed:
+                job = stub.jobs.get((ns, name))
+            self._json(200, job) if job else self._not_found(name)
+        elif method == "GET" and _flag(query, "watch"):
+            self._watch(ns, query)
+        elif method == "GET":
+            with stub.changed:
+                items = [j for (n, _), j in stub.jobs.items() if n == ns and _selected(j, query)]
+                rv = str(stub.events[-1][0]) if stub.events else "1"
+            self._json(200, {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJobList",
+                             "metadata": {"resourceVersion": rv}, "items": items})
+        elif method == "DELETE" and name is not None:
+            foreground = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Foreground"
+            job = stub.delete_job(ns, name, foreground)
+            self._json(200, job) if job else self._not_found(name)
+        else:
+            self._json(405, _status(405, "MethodNotAllowed", "not served by the stub"))
+
+    def _watch(self, ns: str, query: dict[str, str]) -> None:
+        stub, scenario = self.stub, self.stub.scenario
+        end = time.monotonic() + int(query.get("timeoutSeconds", "30"))
+        since = query.get("resourceVersion")
+        self._start_chunked()
+        if since and scenario.watch_gone > 0:
+            scenario.watch_gone -= 1
+            self._chunk({"type": "ERROR", "object": _status(410, "Expired", "too old resource version")})
+            self._end_chunked()
+            return
+        cut = scenario.watch_disconnects > 0
+        scenario.watch_disconnects -= cut
+        with stub.changed:
+            if since:
+                cursor = int(since)
+            else:  # no resourceVersion: synthetic ADDED events for the current objects
+                cursor = stub.events[-1][0] if stub.events else 0
+                for (n, _), job in stub.jobs.items():
+                    if n == ns and _selected(job, query):
+                        self._chunk({"type": "ADDED", "object": job})
+        while time.monotonic() < end and not stub.stopping.is_set():
+            with stub.changed:
+                pending = [(rv, t, o) for rv, t, o in stub.events
+                           if rv > cursor and o["metadata"]["namespace"] == ns and _selected(o, query)]
+                cursor = stub.events[-1][0] if stub.events else cursor
+                if not pending:
+                    stub.changed.wait(WAIT_SLICE_S)
+            for _, etype, obj in pending:
+                self._chunk({"type": etype, "object": obj})
+                if cut:
+                    self._cut()
+                    return
+        self._end_chunked()
+
+    def _not_found(self, name: str) -> None:
+        self._json(404, _status(404, "NotFound", f'pytorchjobs.kubeflow.org "{name}" not found'))
+
+    # --- pods ----------------------------------------------------------------------------------
+    def _list_pods(self, ns: str, query: dict[str, str]) -> None:
+        wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)
+        with self.stub.changed:
+            items = [p for (n, _), p in self.stub.pods.items()
+                     if n == ns and all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())]
+        self._json(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"},
+                         "items": items})
+
+    def _log(self, ns: str, pod_name: str, query: dict[str, str]) -> None:
+        """Serves follow=true only (all the launcher asks for)."""
+        stub = self.stub
+        with stub.changed:
+            pod = stub.pods.get((ns, pod_name))
+            if pod is None:
+                self._json(404, _status(404, "NotFound", f'pods "{pod_name}" not found'))
+                return
+            log = stub.logs[pod["metadata"]["uid"]]
+        since = float(query["sinceSeconds"]) if "sinceSeconds" in query else None
+        sent = 0 if since is None else sum(1 for t, _, _ in log.lines if t < time.monotonic() - since)
+        stamps = _flag(query, "timestamps")
+        cut = stub.scenario.log_disconnects > 0
+        stub.scenario.log_disconnects -= cut
+        self._start_chunked()
+        while not stub.stopping.is_set():
+            with stub.changed:
+                fresh, closed = log.lines[sent:], log.closed
+                if not fresh and not closed:
+                    stub.changed.wait(WAIT_SLICE_S)
+            for _, stamp, line in fresh:
+                self._write_chunk((f"{stamp} {line}\n" if stamps else f"{line}\n").encode())
+                if cut:
+                    self._cut()
+                    return
+            sent += len(fresh)
+            if closed and not fresh:
+                break
+        self._end_chunked()
+
+    # --- wire helpers --------------------------------------------------------------------------
+    def _send(self, code: int, ctype: str, data: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _json(self, code: int, obj: dict[str, Any]) -> None:
+        self._send(code, "application/json", json.dumps(obj).encode())
+
+    def _start_chunked(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _chunk(self, event: dict[str, Any]) -> None:
+        self._write_chunk(json.dumps(event).encode() + b"\n")
+
+    def _end_chunked(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _cut(self) -> None:
+        """Drop the connection mid-stream, as a broken network or a restarted API server does."""
+        self.close_connection = True
+        self.wfile.flush()
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+
+def _selected(job: dict[str, Any], query: dict[str, str]) -> bool:
+    selector = query.get("fieldSelector", "")
+    return not selector.startswith("metadata.name=") or job["metadata"]["name"] == selector.split("=", 1)[1]
+
+
+# --- permissions --------------------------------------------------------------------------------
+def representative_runs() -> Iterator[tuple[str, Scenario, TrainJobSpec]]:
+    """The launcher paths whose API calls make up its permissions."""
+    def spec(step: str, **kw: Any) -> TrainJobSpec:
+        return TrainJobSpec(name=job_name("rbac-run", step), namespace="ml", image="trainer:1", **kw)
+
+    yield "succeeds", Scenario(succeeding("step 1", "step 2")), spec("ok")
+    yield "fails", Scenario(failing("exit 1", "boom")), spec("fail")
+    yield "attaches", Scenario(finishing("resumed"), existing_state="Running"), spec("attach")
+    yield "resubmits", Scenario(succeeding("again"), existing_state="Failed"), spec("resubmit")
+    yield "reconnects", Scenario(succeeding("a", "b"), watch_disconnects=1, watch_gone=1), spec("watch")
+    yield "deadline", Scenario(running_forever()), spec("deadline", active_deadline_seconds=1)
+
+
+def launcher_permissions() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every request the launcher made in `representative_runs`."""
+    used: set[tuple[str, str, str]] = set()
+    for _, scenario, spec in representative_runs():
+        with StubCluster(scenario) as cluster:
+            if scenario.existing_state:
+                cluster.put_job(to_manifest(build_pytorchjob(spec)), scenario.existing_state)
+            try:
+                cluster.launcher(timings=SWEEP_TIMINGS).run(spec)
+            except LauncherError:
+                pass  # failing paths are part of the sample
+            cluster.launcher().delete(spec.name, spec.namespace)  # the exit handler's call
+            used |= cluster.permissions()
+    return used
+
+
+def rbac_rules() -> list[tuple[str, str, tuple[str, ...]]]:
+    """`launcher_permissions` grouped as Role rules: (apiGroup, resource, sorted verbs)."""
+    grouped: dict[tuple[str, str], set[str]] = {}
+    for group, resource, verb in launcher_permissions():
+        grouped.setdefault((group, resource), set()).add(verb)
+    return [(g, r, tuple(sorted(v))) for (g, r), v in sorted(grouped.items())]
+
