@@ -1,0 +1,64 @@
+"""``evaluate_checkpoint`` (val loss, perplexity, HTML report, promotion gate) and ``promote``."""
+
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
+
+from components.lib.params import DEFAULT_IMAGE
+
+
+@dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
+def evaluate_checkpoint(
+    checkpoint: Input[Model], dataset: Input[Dataset], run_id: str, workdir: str, model: str,
+    promoted_registry: str, eval_batch_size: int, eval_max_batches: int, min_improvement: float,
+    metrics: Output[Metrics], report: Output[HTML],
+) -> NamedTuple("GateOutputs", [("promote", bool), ("reason", str), ("current_id", str), ("candidate", str)]):
+    """Evaluate the newest valid checkpoint on the validation split; gate its promotion.
+
+    ``promote`` is True when it beats the promoted model (compared on the same tokenizer and validation
+    data); ``candidate`` is the JSON record ``promote`` writes; ``current_id`` the record it replaces.
+    """
+    import json
+    from collections import namedtuple
+
+    from components.lib.evaluation import evaluate_and_gate
+    from components.lib.layout import RunLayout
+    from components.lib.params import registry_location
+
+    registry = registry_location(promoted_registry, workdir, model)
+    outcome = evaluate_and_gate(
+        checkpoint=checkpoint.metadata, dataset=dataset.metadata, registry=registry, run_id=run_id,
+        eval_dir=RunLayout(workdir, run_id).eval_dir, batch_size=eval_batch_size, max_batches=eval_max_batches,
+        min_improvement=min_improvement)
+    r, d = outcome.result, outcome.decision
+    for name in ("val_loss", "perplexity", "step", "val_tokens"):
+        metrics.log_metric(name, float(r[name]))
+    metrics.log_metric("promote", 1.0 if d.promote else 0.0)
+    if d.baseline_val_loss is not None:
+        metrics.log_metric("promoted_val_loss", d.baseline_val_loss)
+    with open(report.path, "w") as f:
+        f.write(outcome.report_html)
+    print(f"[eval] step {r['step']}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}; {d.reason}")
+    outputs = namedtuple("GateOutputs", ["promote", "reason", "current_id", "candidate"])
+    return outputs(d.promote, d.reason, d.current_id, json.dumps(outcome.candidate, sort_keys=True))
+
+
+@dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
+def promote(candidate: str, current_id: str, workdir: str, model: str, promoted_registry: str) -> str:
+    """Record the candidate as the promoted model, unless another run promoted one since the gate."""
+    import json
+
+    from components.lib.evaluation import PromotionConflict, write_registry
+    from components.lib.params import registry_location
+
+    registry = registry_location(promoted_registry, workdir, model)
+    record = json.loads(candidate)
+    try:
+        path = write_registry(registry, record, expected_current=current_id)
+    except PromotionConflict as exc:
+        print(f"[promote] not promoted: {exc}")
+        return f"not promoted: {exc}"
+    message = f"promoted {record['model']} step {record['step']} (val loss {record['val_loss']:.4f}) -> {path}"
+    print(f"[promote] {message}")
+    return message

@@ -1,0 +1,306 @@
+"""The training pipeline's parameters: defaults, allowed ranges, and one validation that says what to change.
+
+The pipeline's first step (``validate_params``) and the CLI/demo (before submitting) call
+`PipelineParams.validate`, so a bad run fails in seconds with every problem listed, before data prep or a
+PyTorchJob costs anything. The pipeline signature (``pipelines/training_pipeline.py``) uses the same
+defaults (`DEFAULTS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+BACKENDS = ("pytorchjob", "local")
+FLAVOURS = ("tiny", "1b", "8b")
+FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
+INIT_FROM_PROMOTED = "promoted"
+#: Where the pipeline mounts the shared PVC in step pods, and the PyTorchJob in its pods.
+SHARED_MOUNT = "/mnt/shared"
+DEFAULT_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
+#: Trainer keys the pipeline sets itself; overriding them would break resume and the report.
+RESERVED_OVERRIDES = ("train.run_dir", "checkpoint.dir", "data.path", "train.steps", "checkpoint.interval",
+                      "checkpoint.init_from", "resiliency.faults", "resiliency.inprocess", "train.device")
+TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+
+MAX_STEPS = 10_000_000
+MAX_NODES = 256
+MAX_GPUS_PER_NODE = 16
+MAX_PROCS_PER_NODE = 64
+MAX_RESTARTS = 100
+MAX_VOCAB = 1 << 20
+MAX_DEADLINE_HOURS = 24 * 30
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_OVERRIDE = re.compile(r"^--([a-z_]+)\.([a-z_0-9]+)=(.*)$", re.S)
+_FAULT = re.compile(r"^(\d+):(\d+):([a-z_]+)$")
+
+
+class ParamError(ValueError):
+    """One or more pipeline parameters are invalid; the message lists each with what to change."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("invalid pipeline parameters:\n  - " + "\n  - ".join(errors))
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scheduled fault: ``rank:step:kind`` (the trainer's ``resiliency.faults`` item)."""
+
+    rank: int
+    step: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.step}:{self.kind}"
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Parse ``"0:20:exception,1:40:sigkill"``; ValueError naming the bad item."""
+    faults = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        m = _FAULT.match(item)
+        if not m or m.group(3) not in FAULT_KINDS:
+            raise ValueError(
+                f"fault {item!r} must look like rank:step:kind with kind one of {list(FAULT_KINDS)}, "
+                "e.g. '0:20:exception,1:40:sigkill'"
+            )
+        faults.append(Fault(int(m.group(1)), int(m.group(2)), m.group(3)))
+    return faults
+
+
+@dataclass(frozen=True)
+class PipelineParams:
+    """Every user-facing parameter of the training pipeline, with its default."""
+
+    model: str = "tiny"
+    """Model flavour (tiny, 1b, 8b) or a trainer TOML file path inside the image."""
+    steps: int = 400
+    """Total optimizer steps; a retried or resumed run continues up to this step."""
+    checkpoint_interval: int = 50
+    """Save a checkpoint every N steps (and at the end); must be < steps."""
+    nodes: int = 1
+    """Training pods (PyTorchJob Master + Workers); 1 for the local backend."""
+    gpus_per_node: int = 0
+    """GPUs (= ranks) per node; 0 trains on CPU with procs_per_node ranks (gloo)."""
+    procs_per_node: int = 2
+    """Ranks per node when gpus_per_node is 0."""
+    seq_len: int = 0
+    """Tokens per sample; 0 keeps the flavour's value."""
+    batch_size: int = 0
+    """Micro-batch per rank; 0 keeps the flavour's value."""
+    faults: str = ""
+    """Fault injection, comma-separated rank:step:kind (exception, hang, hang_gil, sigkill, oom, sigterm,
+    corrupt_checkpoint); empty = none."""
+    inprocess_restart: bool = True
+    """Wrap training in NVRx in-process restart (catches exceptions and hangs without a process restart)."""
+    ft_max_restarts: int = 3
+    """In-job restarts by ft_launcher (SIGKILL, OOM kill, hung ranks) before the job fails."""
+    max_cluster_restarts: int = 3
+    """Pod restarts (exit >= 128) the launcher tolerates before failing the step (then the step's retry)."""
+    backend: str = "pytorchjob"
+    """Where training runs: pytorchjob (Kubeflow training-operator) or local (subprocess in the step)."""
+    init_from: str = ""
+    """Warm start: '' (none), 'promoted' (the promoted model's checkpoint) or a checkpoint directory."""
+    corpus: str = ""
+    """Corpus directory, text file or file:// URI; empty = the image's Python standard library."""
+    vocab_size: int = 4096
+    """Tokenizer vocabulary size (byte-level BPE)."""
+    max_corpus_bytes: int = 0
+    """Use only the first N bytes of the corpus (sorted files); 0 = all of it."""
+    workdir: str = f"{SHARED_MOUNT}/resilient-train"
+    """Run files go to <workdir>/<run id>/; on a cluster it must be under the PVC mount /mnt/shared."""
+    pvc_name: str = "train-shared"
+    """PersistentVolumeClaim mounted at /mnt/shared in every step and training pod (cluster only)."""
+    namespace: str = ""
+    """Namespace of the PyTorchJob; empty = the namespace the pipeline runs in."""
+    image: str = DEFAULT_IMAGE
+    """Trainer image (holds this project): the training pods and every pipeline step run it."""
+    node_selector: dict = field(default_factory=dict)
+    """nodeSelector of the training pods and the evaluation step, e.g. {"nvidia.com/gpu.product": "H100"}."""
+    tolerations: list = field(default_factory=list)
+    """Tolerations of the training pods and the evaluation step, e.g. [{"key": "nvidia.com/gpu",
+    "operator": "Exists", "effect": "NoSchedule"}]."""
+    trainer_overrides: list = field(default_factory=list)
+    """Extra trainer overrides, each '--section.key=value' (e.g. '--optim.lr=1e-3')."""
+    eval_batch_size: int = 8
+    """Evaluation batch size (sequences)."""
+    eval_max_batches: int = 50
+    """Evaluate on at most N validation batches."""
+    promoted_registry: str = ""
+    """JSON record of the promoted model (path or file:// URI); empty = <workdir>/promoted-<model>.json."""
+    min_improvement: float = 0.0
+    """Promote only when val loss beats the promoted model's by more than this."""
+    deadline_hours: float = 168.0
+    """Training wall-clock limit (the PyTorchJob's activeDeadlineSeconds; the local launcher's deadline)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_rank_node
+
+    @property
+    def procs_per_rank_node(self) -> int:
+        """Ranks per node: one per GPU, else procs_per_node."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.procs_per_node
+
+    def errors(self) -> list[str]:
+        """Every problem, each saying what to change; empty when the parameters are usable."""
+        e: list[str] = []
+        _range(e, "steps", self.steps, 1, MAX_STEPS)
+        _range(e, "nodes", self.nodes, 1, MAX_NODES)
+        _range(e, "gpus_per_node", self.gpus_per_node, 0, MAX_GPUS_PER_NODE)
+        _range(e, "procs_per_node", self.procs_per_node, 1, MAX_PROCS_PER_NODE)
+        _range(e, "ft_max_restarts", self.ft_max_restarts, 0, MAX_RESTARTS)
+        _range(e, "max_cluster_restarts", self.max_cluster_restarts, 0, MAX_RESTARTS)
+        _range(e, "vocab_size", self.vocab_size, 257, MAX_VOCAB, hint="(256 byte tokens + end-of-text at least)")
+        _range(e, "max_corpus_bytes", self.max_corpus_bytes, 0, None, hint="(0 = the whole corpus)")
+        _range(e, "seq_len", self.seq_len, 0, 1 << 20, hint="(0 = the flavour's value)")
+        _range(e, "batch_size", self.batch_size, 0, 1 << 16, hint="(0 = the flavour's value)")
+        _range(e, "eval_batch_size", self.eval_batch_size, 1, 1 << 16)
+        _range(e, "eval_max_batches", self.eval_max_batches, 1, None)
+        _range(e, "checkpoint_interval", self.checkpoint_interval, 1, None)
+        if _is_int(self.steps) and _is_int(self.checkpoint_interval) and self.checkpoint_interval >= self.steps:
+            e.append(f"steps ({self.steps}) must be greater than checkpoint_interval ({self.checkpoint_interval}) "
+                     "so a checkpoint is written before the end of training and a restart can resume from it: "
+                     "lower checkpoint_interval or raise steps")
+        if not isinstance(self.min_improvement, (int, float)) or self.min_improvement < 0:
+            e.append(f"min_improvement must be >= 0 (a val-loss margin); got {self.min_improvement!r}")
+        if not isinstance(self.deadline_hours, (int, float)) or not 0 < self.deadline_hours <= MAX_DEADLINE_HOURS:
+            e.append(f"deadline_hours must be in (0, {MAX_DEADLINE_HOURS}]; got {self.deadline_hours!r}")
+        if self.model not in FLAVOURS and not self.model.endswith(".toml"):
+            e.append(f"model must be one of {list(FLAVOURS)} or a trainer .toml path; got {self.model!r}")
+        if self.backend not in BACKENDS:
+            e.append(f"backend must be one of {list(BACKENDS)}; got {self.backend!r}")
+        self._check_backend(e)
+        self._check_faults(e)
+        if self.init_from not in ("", INIT_FROM_PROMOTED) and not self.init_from.startswith("/"):
+            e.append(f"init_from must be '', {INIT_FROM_PROMOTED!r} or an absolute checkpoint directory; "
+                     f"got {self.init_from!r}")
+        if self.promoted_registry and not (self.promoted_registry.startswith(("/", "file://"))):
+            e.append(f"promoted_registry must be an absolute path or file:// URI on shared storage (or empty for "
+                     f"<workdir>/promoted-<model>.json); got {self.promoted_registry!r}")
+        self._check_k8s_fields(e)
+        self._check_overrides(e)
+        return e
+
+    def _check_backend(self, e: list[str]) -> None:
+        if not self.workdir.startswith("/"):
+            e.append(f"workdir must be an absolute path (every step and pod must resolve it the same); "
+                     f"got {self.workdir!r}")
+        if self.backend == "local" and _is_int(self.nodes) and self.nodes != 1:
+            e.append(f"nodes must be 1 with backend 'local' (one machine); got {self.nodes}: use backend "
+                     "'pytorchjob' for several nodes")
+        if self.backend == "pytorchjob":
+            mount = PurePosixPath(SHARED_MOUNT)
+            if self.workdir.startswith("/") and mount not in PurePosixPath(self.workdir).parents:
+                e.append(f"workdir {self.workdir!r} must be under {SHARED_MOUNT} (the PVC every step and training "
+                         f"pod mounts) with backend 'pytorchjob', e.g. {SHARED_MOUNT}/resilient-train")
+            if not _DNS1123_LABEL.match(self.pvc_name or ""):
+                e.append(f"pvc_name must name an existing PersistentVolumeClaim (DNS-1123); got {self.pvc_name!r}")
+            if not self.image.strip():
+                e.append("image must name the trainer image with backend 'pytorchjob'")
+        if self.namespace and not _DNS1123_LABEL.match(self.namespace):
+            e.append(f"namespace must be a DNS label or empty (the pipeline's namespace); got {self.namespace!r}")
+
+    def _check_faults(self, e: list[str]) -> None:
+        try:
+            faults = parse_faults(self.faults)
+        except ValueError as exc:
+            e.append(str(exc))
+            return
+        for f in faults:
+            if _is_int(self.steps) and not 1 <= f.step <= self.steps:
+                e.append(f"fault {f}: step must be in 1..steps ({self.steps}); move it or raise steps")
+            if _is_int(self.nodes) and _is_int(self.procs_per_rank_node) and f.rank >= self.world_size:
+                e.append(f"fault {f}: rank must be < the world size ({self.world_size} = nodes x ranks per node)")
+            if f.kind in ("exception", "hang", "hang_gil") and not self.inprocess_restart:
+                e.append(f"fault {f}: the in-process layer that catches {f.kind!r} is off; set "
+                         "inprocess_restart=True or the fault escalates to an in-job restart")
+
+    def _check_k8s_fields(self, e: list[str]) -> None:
+        if not isinstance(self.node_selector, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.node_selector.items()):
+            e.append(f"node_selector must map label names to string values; got {self.node_selector!r}")
+        if not isinstance(self.tolerations, list) or not all(isinstance(t, dict) for t in self.tolerations):
+            e.append(f"tolerations must be a list of objects like {{'key': 'nvidia.com/gpu', 'operator': "
+                     f"'Exists', 'effect': 'NoSchedule'}}; got {self.tolerations!r}")
+        else:
+            for t in self.tolerations:
+                unknown = sorted(set(t) - set(TOLERATION_KEYS))
+                if unknown:
+                    e.append(f"toleration {t!r}: unknown key(s) {unknown}; allowed: {list(TOLERATION_KEYS)}")
+
+    def _check_overrides(self, e: list[str]) -> None:
+        if not isinstance(self.trainer_overrides, list):
+            e.append(f"trainer_overrides must be a list of '--section.key=value' strings; got "
+                     f"{self.trainer_overrides!r}")
+            return
+        for item in self.trainer_overrides:
+            m = _OVERRIDE.match(item) if isinstance(item, str) else None
+            if not m:
+                e.append(f"trainer override {item!r} must look like '--section.key=value', e.g. '--optim.lr=1e-3'")
+            elif f"{m.group(1)}.{m.group(2)}" in RESERVED_OVERRIDES:
+                e.append(f"trainer override {item!r} sets a key the pipeline controls; use the pipeline parameter "
+                         "instead (steps, checkpoint_interval, faults, inprocess_restart, gpus_per_node, workdir)")
+
+    def validate(self) -> PipelineParams:
+        """Raise `ParamError` listing every problem; return self when valid."""
+        errors = self.errors()
+        if errors:
+            raise ParamError(errors)
+        return self
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> PipelineParams:
+        """Build from pipeline arguments; unknown names are an error that lists the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ParamError([f"unknown parameter(s) {unknown}; parameters are {sorted(names)}"])
+        return cls(**values)
+
+    def registry_path(self) -> str:
+        return registry_location(self.promoted_registry, self.workdir, self.model)
+
+
+def _flavour_slug(model: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", PurePosixPath(model).stem if model.endswith(".toml") else model)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _range(e: list[str], name: str, value: Any, low: int, high: int | None, hint: str = "") -> None:
+    if not _is_int(value):
+        e.append(f"{name} must be an integer; got {value!r}")
+    elif value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        e.append(f"{name} must be {bound}{' ' + hint if hint else ''}; got {value}")
+
+
+def descriptions() -> dict[str, str]:
+    """Each parameter's one-line description (the field docstrings), for the pipeline's UI description."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(PipelineParams)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs
+
+
+DEFAULTS = PipelineParams()
+
+
+def registry_location(promoted_registry: str, workdir: str, model: str) -> str:
+    """The promoted record's location: the parameter, else ``<workdir>/promoted-<model>.json``."""
+    return promoted_registry or f"{workdir.rstrip('/')}/promoted-{_flavour_slug(model)}.json"

@@ -1,0 +1,269 @@
+"""Run files → numbers and a self-contained HTML report (inline SVG, no scripts, no external resources).
+
+Reads the trainer's ``metrics.jsonl`` and the recovery ledger ``recovery.jsonl`` defensively: a torn last
+line (a process killed mid-write) or an unknown record is skipped and counted, never fatal, because the
+report is written after faults by design. Every piece of text from those files is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+LAYERS = ("inprocess", "injob", "cluster")
+LAYER_TITLES = {"inprocess": "in-process", "injob": "in-job (ft_launcher)", "cluster": "cluster / pipeline retry"}
+LAYER_COLOURS = {"inprocess": "#1f77b4", "injob": "#ff7f0e", "cluster": "#d62728"}
+
+
+def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSON-lines file and the number of unreadable lines; ([], 0) if it is missing."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return [], 0
+    records, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+        else:
+            bad += 1
+    return records, bad
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _events(ledger: Iterable[Mapping[str, Any]], event: str) -> list[Mapping[str, Any]]:
+    """Records of one event kind that name a known layer (the ledger schema: ``trainer/ledger.py``)."""
+    return [r for r in ledger if r.get("event") == event and r.get("layer") in LAYERS]
+
+
+def summarize_ledger(ledger: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Faults, restarts per layer, steps redone, recovery time and goodput from the recovery ledger.
+
+    Restarts are counted from ``restart`` records (one per recovery, written by rank 0); steps redone and
+    recovery time from the ``recovered`` records; goodput from the newest ``summary`` record.
+    """
+    restarts = _events(ledger, "restart")
+    recovered = _events(ledger, "recovered")
+    summary = next((r for r in reversed(ledger) if r.get("event") == "summary"), {})
+    return {
+        "faults": sum(1 for r in ledger if r.get("event") == "fault"),
+        "restarts": {layer: sum(1 for r in restarts if r["layer"] == layer) for layer in LAYERS},
+        "steps_redone": int(sum(_num(r.get("steps_redone")) or 0 for r in recovered)),
+        "recovery_s": {layer: round(sum(_num(r.get("recovery_s")) or 0 for r in recovered if r["layer"] == layer), 3)
+                       for layer in LAYERS},
+        "goodput": _num(summary.get("goodput")),
+        "productive_s": _num(summary.get("productive_s")),
+        "wall_s": _num(summary.get("wall_s")),
+    }
+
+
+def loss_points(metrics: Iterable[Mapping[str, Any]]) -> list[tuple[float, float]]:
+    """(step, loss) of the step records; a step redone after a restart keeps its latest loss."""
+    by_step: dict[float, float] = {}
+    for r in metrics:
+        if r.get("event") == "step":
+            step, loss = _num(r.get("step")), _num(r.get("loss"))
+            if step is not None and loss is not None:
+                by_step[step] = loss
+    return sorted(by_step.items())
+
+
+# --- SVG ------------------------------------------------------------------------------------------------
+W, H, PAD_L, PAD_R, PAD_T, PAD_B = 720, 260, 60, 20, 20, 40
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
+
+
+def _axes(x_lo: float, x_hi: float, y_lo: float, y_hi: float, x_label: str, y_label: str) -> tuple[list[str], Any]:
+    def sx(x: float) -> float:
+        return PAD_L + (x - x_lo) / ((x_hi - x_lo) or 1) * (W - PAD_L - PAD_R)
+
+    def sy(y: float) -> float:
+        return H - PAD_B - (y - y_lo) / ((y_hi - y_lo) or 1) * (H - PAD_T - PAD_B)
+
+    parts = [f'<rect x="{PAD_L}" y="{PAD_T}" width="{W - PAD_L - PAD_R}" height="{H - PAD_T - PAD_B}" '
+             'fill="none" stroke="#999"/>']
+    for t in _ticks(x_lo, x_hi):
+        parts.append(f'<text x="{sx(t):.1f}" y="{H - PAD_B + 16}" text-anchor="middle" font-size="11">{_fmt(t)}</text>')
+    for t in _ticks(y_lo, y_hi):
+        parts.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>')
+        parts.append(f'<text x="{PAD_L - 6}" y="{sy(t) + 4:.1f}" text-anchor="end" font-size="11">{_fmt(t)}</text>')
+    parts.append(f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{H - 6}" text-anchor="middle" font-size="12">'
+                 f'{html.escape(x_label)}</text>')
+    parts.append(f'<text x="14" y="{(PAD_T + H - PAD_B) / 2}" text-anchor="middle" font-size="12" '
+                 f'transform="rotate(-90 14 {(PAD_T + H - PAD_B) / 2})">{html.escape(y_label)}</text>')
+    return parts, (sx, sy)
+
+
+def loss_chart(points: Sequence[tuple[float, float]], markers: Sequence[tuple[float, str, str]] = ()) -> str:
+    """SVG line chart of loss by step; ``markers`` are (step, layer, label) vertical lines."""
+    if not points:
+        return '<p class="empty">No step metrics were recorded.</p>'
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x_lo, x_hi = min(xs), max(max(xs), *(m[0] for m in markers)) if markers else max(xs)
+    y_lo, y_hi = min(ys), max(ys)
+    pad = (y_hi - y_lo) * 0.05 or 0.5
+    parts, (sx, sy) = _axes(x_lo, x_hi, y_lo - pad, y_hi + pad, "step", "training loss")
+    for step, layer, label in markers:
+        colour = LAYER_COLOURS.get(layer, "#666")
+        parts.append(f'<line x1="{sx(step):.1f}" x2="{sx(step):.1f}" y1="{PAD_T}" y2="{H - PAD_B}" stroke="{colour}" '
+                     f'stroke-dasharray="4 3"><title>{html.escape(label)}</title></line>')
+    path = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for i, (x, y) in enumerate(points))
+    parts.append(f'<path d="{path}" fill="none" stroke="#2a6" stroke-width="1.8"/>')
+    return _svg("Training loss by step", parts)
+
+
+def recovery_spans(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One span per recovery: layer, start (the fault, else the restart), end (first productive step)."""
+    spans = []
+    for r in _events(ledger, "recovered"):
+        end, took = _num(r.get("time")), _num(r.get("recovery_s"))
+        if end is not None:
+            spans.append({"layer": r["layer"], "start": end - (took or 0.0), "end": end,
+                          "label": f"{r.get('fault_kind') or 'fault'} at step {r.get('fault_step')}: "
+                                   f"{LAYER_TITLES[r['layer']]} recovery, first productive step {r.get('step')} "
+                                   f"after {took or 0:.1f} s, {r.get('steps_redone')} step(s) redone"})
+    done = {(s["layer"], round(s["end"], 3)) for s in spans}
+    for r in _events(ledger, "restart"):  # a restart whose first step never completed
+        t = _num(r.get("time"))
+        if t is not None and not any(layer == r["layer"] and end >= t for layer, end in done):
+            spans.append({"layer": r["layer"], "start": t, "end": t,
+                          "label": f"{LAYER_TITLES[r['layer']]} restart at step {r.get('resumed_step')} "
+                                   "(no productive step followed)"})
+    return sorted(spans, key=lambda s: s["start"])
+
+
+def timeline_chart(spans: Sequence[Mapping[str, Any]], t0: float | None, t_end: float | None) -> str:
+    """SVG swimlanes (one per layer): each recovery a bar from the fault to the first productive step."""
+    if not spans:
+        return '<p class="empty">No recoveries were recorded.</p>'
+    start = min([s["start"] for s in spans] + ([t0] if t0 is not None else []))
+    end = max([s["end"] for s in spans] + ([t_end] if t_end is not None else []))
+    lane_h = (H - PAD_T - PAD_B) / len(LAYERS)
+    left = PAD_L + 90
+
+    def sx(x: float) -> float:
+        return left + (x - start) / ((end - start) or 1) * (W - left - PAD_R)
+
+    parts = []
+    for i, layer in enumerate(LAYERS):
+        y = PAD_T + i * lane_h
+        parts.append(f'<rect x="{left}" y="{y:.1f}" width="{W - left - PAD_R}" height="{lane_h - 4:.1f}" '
+                     'fill="#f6f6f6"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + lane_h / 2 + 4:.1f}" text-anchor="end" font-size="11">'
+                     f'{html.escape(LAYER_TITLES[layer])}</text>')
+    for s in spans:
+        y = PAD_T + LAYERS.index(s["layer"]) * lane_h + 4
+        width = max(3.0, sx(s["end"]) - sx(s["start"]))
+        parts.append(f'<rect x="{sx(s["start"]):.1f}" y="{y:.1f}" width="{width:.1f}" height="{lane_h - 12:.1f}" '
+                     f'fill="{LAYER_COLOURS[s["layer"]]}"><title>{html.escape(s["label"])}</title></rect>')
+    for t in _ticks(0, end - start):
+        parts.append(f'<text x="{sx(start + t):.1f}" y="{H - PAD_B + 16}" text-anchor="middle" font-size="11">'
+                     f'{_fmt(t)}</text>')
+    parts.append(f'<text x="{(left + W) / 2}" y="{H - 6}" text-anchor="middle" font-size="12">seconds since the '
+                 'run started (bar: from the fault to the first productive step)</text>')
+    return _svg("Recoveries by layer over time", parts)
+
+
+def _svg(title: str, parts: list[str]) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" role="img" viewBox="0 0 {W} {H}" width="{W}" height="{H}">'
+            f'<title>{html.escape(title)}</title>' + "".join(parts) + "</svg>")
+
+
+# --- HTML -----------------------------------------------------------------------------------------------
+def _table(rows: Iterable[tuple[Any, Any]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_cell(v))}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True)
+    return "" if v is None else str(v)
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:24px;max-width:800px;color:#222}
+h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:8px 0}th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;
+font-size:13px}th{background:#fafafa;font-weight:600}.empty{color:#777}.decision{font-size:15px;padding:8px;
+background:#f4f8ff;border-left:4px solid #36c}.legend span{display:inline-block;margin-right:14px;font-size:12px}"""
+
+
+def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: Sequence[Mapping[str, Any]],
+                  evaluation: Mapping[str, Any] | None = None, decision: Mapping[str, Any] | None = None,
+                  run_info: Mapping[str, Any] | None = None, notes: Sequence[str] = ()) -> str:
+    """The whole report as one HTML document."""
+    summary = summarize_ledger(ledger)
+    spans = recovery_spans(ledger)
+    times = [t for t in (_num(r.get("time")) for r in [*metrics, *ledger]) if t is not None]
+    markers = [(s, r["layer"], f"{LAYER_TITLES[r['layer']]} restart: resumed after step {_fmt(s)}")
+               for r in _events(ledger, "restart") if (s := _num(r.get("resumed_step"))) is not None]
+    step_recs = [r for r in metrics if r.get("event") == "step"]
+    last_summary = next((r for r in reversed(metrics) if r.get("event") == "summary"), {})
+    legend = "".join(f'<span style="color:{LAYER_COLOURS[k]}">&#9632; {html.escape(LAYER_TITLES[k])}</span>'
+                     for k in LAYERS)
+    out = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+           f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    if decision:
+        out.append(f'<p class="decision">{html.escape(str(decision.get("reason", "")))}</p>')
+    if run_info:
+        out.append(_table(run_info.items()))
+    out.append("<h2>Evaluation</h2>")
+    out.append(_table(evaluation.items()) if evaluation else '<p class="empty">No evaluation result.</p>')
+    out.append("<h2>Training loss</h2>")
+    out.append(loss_chart(loss_points(metrics), markers))
+    out.append(f'<p class="legend">{legend} (dashed: where training resumed after a restart)</p>')
+    out.append(_table([("steps logged", len(step_recs)),
+                       *((k, last_summary[k]) for k in ("steps", "tokens", "final_loss", "wall_time_s")
+                         if k in last_summary)]))
+    out.append("<h2>Recovery timeline</h2>")
+    out.append(timeline_chart(spans, min(times) if times else None, max(times) if times else None))
+    out.append(f'<p class="legend">{legend}</p>')
+    if spans:
+        out.append("<ul>" + "".join(f"<li>{html.escape(s['label'])}</li>" for s in spans) + "</ul>")
+    out.append("<h2>Goodput</h2>")
+    goodput = summary["goodput"]
+    out.append(_table([
+        ("goodput (productive / wall time)", "not recorded" if goodput is None else f"{goodput:.1%}"),
+        ("productive time (s)", summary["productive_s"]),
+        ("wall time (s)", summary["wall_s"]),
+        ("faults injected", summary["faults"]),
+        *((f"restarts: {LAYER_TITLES[k]}", v) for k, v in summary["restarts"].items()),
+        *((f"recovery time: {LAYER_TITLES[k]} (s)", v) for k, v in summary["recovery_s"].items()),
+        ("steps redone", summary["steps_redone"]),
+    ]))
+    for note in notes:
+        out.append(f'<p class="empty">{html.escape(note)}</p>')
+    out.append("</body></html>\n")
+    return "".join(out)

@@ -1,0 +1,26 @@
+"""``validate_params``: the pipeline's first step; fails in seconds listing every bad parameter."""
+
+from kfp import dsl
+
+from components.lib.params import DEFAULT_IMAGE
+
+
+@dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
+def validate_params(
+    model: str, steps: int, checkpoint_interval: int, nodes: int, gpus_per_node: int, procs_per_node: int,
+    seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
+    max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
+    workdir: str, pvc_name: str, namespace: str, image: str, node_selector: dict, tolerations: list,
+    trainer_overrides: list, eval_batch_size: int, eval_max_batches: int, promoted_registry: str,
+    min_improvement: float, deadline_hours: float,
+) -> str:
+    """Check every pipeline parameter (``components.lib.params``); return a one-line summary of the run."""
+    values = dict(locals())
+    from components.lib.params import PipelineParams
+
+    p = PipelineParams.from_mapping(values).validate()
+    summary = (f"{p.model} x {p.steps} steps on {p.nodes} node(s) x {p.procs_per_rank_node} rank(s) "
+               f"({'GPU' if p.gpus_per_node else 'CPU'}), backend {p.backend}, checkpoint every "
+               f"{p.checkpoint_interval}, faults: {p.faults or 'none'}")
+    print(f"[validate] parameters OK: {summary}")
+    return summary

@@ -1,0 +1,133 @@
+"""The training pipeline: validate → data prep → train (PyTorchJob or local) → evaluate → promote if better.
+
+Recovery policy at this level: the train step retries (``set_retry``) and, because every path derives from
+the run id, a retry resumes from the run's latest checkpoint; an exit handler removes the training job or
+local processes however the run ends. Steps with side effects on shared storage never come from the cache.
+`make_pipeline` builds the DAG with a retry policy: `training_pipeline` (cluster: backoff of minutes, a
+retry window of days) and `local_pipeline` (seconds, for ``kfp.local``).
+"""
+
+from dataclasses import dataclass
+
+from kfp import dsl, kubernetes
+
+from components.cleanup import cleanup
+from components.data_prep import data_prep
+from components.evaluate import evaluate_checkpoint, promote
+from components.lib.params import DEFAULTS, SHARED_MOUNT, PipelineParams, descriptions
+from components.train import train
+from components.validate import validate_params
+
+PIPELINE_NAME = "resilient-train"
+LAUNCHER_CONFIG_MAP = "train-launcher-config"  # deploy/base/launcher-config.yaml
+LAUNCHER_CONFIG_KEYS = {"KUEUE_QUEUE_NAME": "KUEUE_QUEUE_NAME"}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The train step's ``set_retry``. Argo counts ``backoff_max_duration`` from the first attempt's start,
+    so on a cluster it must cover whole training attempts, not just the waits between them."""
+
+    num_retries: int
+    backoff_duration: str
+    backoff_factor: float
+    backoff_max_duration: str
+
+
+CLUSTER_RETRY = RetryPolicy(num_retries=3, backoff_duration="300s", backoff_factor=2.0,
+                            backoff_max_duration=f"{7 * 24 * 3600}s")
+LOCAL_RETRY = RetryPolicy(num_retries=2, backoff_duration="1s", backoff_factor=1.0, backoff_max_duration="60s")
+
+DESCRIPTION = (
+    "Resilient LLM training: data prep -> PyTorchJob (FSDP + NVRx in-process / in-job restarts) -> "
+    "checkpoint evaluation -> promotion gate. The train step retries and resumes from the run's latest "
+    "checkpoint; an exit handler deletes the training job."
+)
+
+
+def _docstring() -> str:
+    lines = [DESCRIPTION, "", "Args:"]
+    lines += [f"    {name}: {doc}" for name, doc in descriptions().items()]
+    return "\n".join(lines)
+
+
+def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
+    """The pipeline with ``retry`` on its train step."""
+
+    def pipeline(
+        model: str = DEFAULTS.model,
+        steps: int = DEFAULTS.steps,
+        checkpoint_interval: int = DEFAULTS.checkpoint_interval,
+        nodes: int = DEFAULTS.nodes,
+        gpus_per_node: int = DEFAULTS.gpus_per_node,
+        procs_per_node: int = DEFAULTS.procs_per_node,
+        seq_len: int = DEFAULTS.seq_len,
+        batch_size: int = DEFAULTS.batch_size,
+        faults: str = DEFAULTS.faults,
+        inprocess_restart: bool = DEFAULTS.inprocess_restart,
+        ft_max_restarts: int = DEFAULTS.ft_max_restarts,
+        max_cluster_restarts: int = DEFAULTS.max_cluster_restarts,
+        backend: str = DEFAULTS.backend,
+        init_from: str = DEFAULTS.init_from,
+        corpus: str = DEFAULTS.corpus,
+        vocab_size: int = DEFAULTS.vocab_size,
+        max_corpus_bytes: int = DEFAULTS.max_corpus_bytes,
+        workdir: str = DEFAULTS.workdir,
+        pvc_name: str = DEFAULTS.pvc_name,
+        namespace: str = DEFAULTS.namespace,
+        image: str = DEFAULTS.image,
+        node_selector: dict = DEFAULTS.node_selector,
+        tolerations: list = DEFAULTS.tolerations,
+        trainer_overrides: list = DEFAULTS.trainer_overrides,
+        eval_batch_size: int = DEFAULTS.eval_batch_size,
+        eval_max_batches: int = DEFAULTS.eval_max_batches,
+        promoted_registry: str = DEFAULTS.promoted_registry,
+        min_improvement: float = DEFAULTS.min_improvement,
+        deadline_hours: float = DEFAULTS.deadline_hours,
+    ):
+        params = {k: v for k, v in locals().items() if k in PipelineParams.__dataclass_fields__}
+        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+
+        def on_cluster(task: dsl.PipelineTask) -> dsl.PipelineTask:
+            """Every step runs the trainer image and sees the shared PVC (kfp.local ignores both)."""
+            task.set_container_image(image)
+            kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=SHARED_MOUNT)
+            return task
+
+        final = on_cluster(cleanup(backend=backend, workdir=workdir, namespace=namespace, run_id=run_id))
+        final.set_caching_options(False).set_display_name("clean up training job")
+        with dsl.ExitHandler(final, name="train-and-evaluate"):
+            check = on_cluster(validate_params(**params)).set_display_name("validate parameters")
+
+            data = on_cluster(data_prep(corpus=corpus, vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes,
+                                        workdir=workdir, run_id=run_id)).after(check)
+            data.set_caching_options(False).set_display_name("prepare token data")
+
+            trained = on_cluster(train(**params, run_id=run_id, dataset=data.outputs["dataset"]))
+            trained.set_caching_options(False).set_display_name("train")
+            trained.set_retry(num_retries=retry.num_retries, backoff_duration=retry.backoff_duration,
+                              backoff_factor=retry.backoff_factor, backoff_max_duration=retry.backoff_max_duration)
+            kubernetes.use_config_map_as_env(trained, LAUNCHER_CONFIG_MAP, LAUNCHER_CONFIG_KEYS, optional=True)
+            kubernetes.add_node_selector_json(trained, node_selector)
+            kubernetes.add_toleration_json(trained, tolerations)
+
+            gate = on_cluster(evaluate_checkpoint(
+                checkpoint=trained.outputs["checkpoint"], dataset=data.outputs["dataset"], run_id=run_id,
+                workdir=workdir, model=model, promoted_registry=promoted_registry,
+                eval_batch_size=eval_batch_size, eval_max_batches=eval_max_batches,
+                min_improvement=min_improvement))
+            gate.set_caching_options(False).set_display_name("evaluate checkpoint")
+
+            with dsl.If(gate.outputs["promote"] == True, name="better-than-promoted"):  # noqa: E712 - KFP DSL
+                record = on_cluster(promote(candidate=gate.outputs["candidate"],
+                                            current_id=gate.outputs["current_id"], workdir=workdir, model=model,
+                                            promoted_registry=promoted_registry))
+                record.set_caching_options(False).set_display_name("promote model")
+
+    pipeline.__doc__ = _docstring()
+    pipeline.__name__ = name.replace("-", "_")
+    return dsl.pipeline(name=name, description=DESCRIPTION)(pipeline)
+
+
+training_pipeline = make_pipeline(CLUSTER_RETRY)
+local_pipeline = make_pipeline(LOCAL_RETRY)

@@ -1,0 +1,146 @@
+"""The compiled pipeline: golden YAML, retry, caching, exit handler, Kubernetes config, room boundaries.
+
+Regenerate the golden file on purpose with ``UPDATE_GOLDEN=1 pytest tests/pipelines/test_compile.py``.
+"""
+
+import ast
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components.lib.params import PipelineParams
+from pipelines.compile import compile_pipeline, main
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+GOLDEN = HERE / "golden" / "training_pipeline.yaml"
+VOLATILE = ("sdkVersion:",)
+
+
+def normalized(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(VOLATILE))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[str, dict, dict]:
+    path = compile_pipeline(tmp_path_factory.mktemp("c") / "pipeline.yaml")
+    text = path.read_text()
+    spec, platform = list(yaml.safe_load_all(text))
+    return text, spec, platform
+
+
+def test_matches_golden(compiled):
+    text = normalized(compiled[0])
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    expected = GOLDEN.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "compiled"))
+        pytest.fail(f"compiled pipeline differs from {GOLDEN} (UPDATE_GOLDEN=1 to accept):\n{diff}")
+
+
+def tasks(spec: dict) -> dict:
+    out = dict(spec["root"]["dag"]["tasks"])
+    for comp in spec["components"].values():
+        out.update((comp.get("dag") or {}).get("tasks", {}))
+    return out
+
+
+def test_train_step_retries_with_a_long_window(compiled):
+    retry = tasks(compiled[1])["train"]["retryPolicy"]
+    assert retry == {"backoffDuration": "300s", "backoffFactor": 2.0, "backoffMaxDuration": "604800s",
+                     "maxRetryCount": 3}
+
+
+def test_local_variant_backs_off_in_seconds(tmp_path):
+    spec, _ = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", local=True).read_text())
+    retry = tasks(spec)["train"]["retryPolicy"]
+    assert retry["backoffDuration"] == "1s" and retry["backoffMaxDuration"] == "60s"
+
+
+def test_caching_is_off_for_steps_with_side_effects(compiled):
+    t = tasks(compiled[1])
+    for name in ("data-prep", "train", "evaluate-checkpoint", "promote", "cleanup"):
+        assert t[name]["cachingOptions"] == {}, name  # enableCache omitted = false
+    assert t["validate-params"]["cachingOptions"] == {"enableCache": True}
+
+
+def test_exit_handler_cleans_up_after_the_whole_run(compiled):
+    t = compiled[1]["root"]["dag"]["tasks"]
+    assert t["cleanup"]["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}
+    assert t["cleanup"]["dependentTasks"] == ["exit-handler-1"]
+    assert "status" in t["cleanup"]["inputs"]["parameters"]
+    inner = tasks(compiled[1])
+    assert {"validate-params", "data-prep", "train", "evaluate-checkpoint", "condition-2"} <= set(inner)
+    assert inner["condition-2"]["triggerPolicy"]["condition"] == \
+        "inputs.parameter_values['pipelinechannel--evaluate-checkpoint-promote'] == true"
+
+
+def test_kubernetes_config_where_it_belongs(compiled):
+    executors = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(executors) == {f"exec-{n}" for n in ("validate-params", "data-prep", "train",
+                                                     "evaluate-checkpoint", "promote", "cleanup")}
+    for name, cfg in executors.items():
+        assert cfg["pvcMount"][0]["mountPath"] == "/mnt/shared", name
+        assert cfg["pvcMount"][0]["pvcNameParameter"]["componentInputParameter"] in ("pvc_name",
+                                                                                     "pipelinechannel--pvc_name")
+    train = executors["exec-train"]
+    assert train["nodeSelector"] == {"nodeSelectorJson": {"componentInputParameter": "pipelinechannel--node_selector"}}
+    assert train["tolerations"] == [{"tolerationJson": {"componentInputParameter": "pipelinechannel--tolerations"}}]
+    assert train["configMapAsEnv"][0]["configMapName"] == "train-launcher-config"
+    assert train["configMapAsEnv"][0]["optional"] is True
+    others = [cfg for name, cfg in executors.items() if name != "exec-train"]
+    assert not any("nodeSelector" in cfg or "tolerations" in cfg for cfg in others)
+
+
+def test_every_step_runs_the_image_parameter(compiled):
+    for name, ex in compiled[1]["deploymentSpec"]["executors"].items():
+        assert ex["container"]["image"] == "{{$.inputs.parameters['pipelinechannel--image']}}", name
+        assert not any("pip install" in a for a in ex["container"]["command"]), "the image holds kfp already"
+
+
+def test_parameters_have_descriptions_and_the_defaults(compiled):
+    params = compiled[1]["root"]["inputDefinitions"]["parameters"]
+    fields = PipelineParams.__dataclass_fields__
+    assert set(params) == set(fields)
+    for name, p in params.items():
+        assert p.get("description"), f"{name} has no description in the UI"
+    assert params["steps"]["defaultValue"] == PipelineParams().steps
+
+
+def test_components_take_every_parameter():
+    from components.train import train
+    from components.validate import validate_params
+
+    fields = set(PipelineParams.__dataclass_fields__)
+    assert set(validate_params.component_spec.inputs) == fields
+    assert set(train.component_spec.inputs) == fields | {"run_id", "dataset"}
+
+
+def imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_rooms_import_only_what_they_may():
+    for path in (REPO / "components").rglob("*.py"):
+        assert not imports(path) & {"torch", "trainer"}, f"{path} imports torch or the trainer"
+    for path in (REPO / "pipelines").glob("*.py"):
+        project = imports(path) - {"kfp", "components", "pipelines", "__future__"}
+        stdlib = {"argparse", "dataclasses", "json", "re", "sys", "tempfile", "typing", "collections", "pathlib",
+                  "time"}
+        assert project <= stdlib, f"{path} imports {project - stdlib}"
+
+
+def test_compile_cli_writes_yaml(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "x" / "p.yaml")]) == 0
+    assert yaml.safe_load_all((tmp_path / "x" / "p.yaml").read_text())

@@ -1,0 +1,152 @@
+"""The local backend's restart budget, progress lines and process cleanup, with fake entrypoints."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import write_script
+
+from components.lib import local_launcher as ll
+from components.lib.local_launcher import (
+    DeadlineExceeded, LocalJobSpec, LocalLauncher, PermanentFailure, RestartBudgetExceeded, kill_leftovers,
+)
+
+
+def counting_entrypoint(tmp_path, codes):
+    """Exits with codes[n] on its n-th launch (the last code repeats); records argv and env per launch."""
+    return write_script(tmp_path / "entrypoint.sh", f"""
+        import json, os, sys
+        from pathlib import Path
+        log = Path({str(tmp_path / 'launches.jsonl')!r})
+        n = len(log.read_text().splitlines()) if log.exists() else 0
+        keys = ("NPROC_PER_NODE", "FT_MAX_RESTARTS", "PATH", "MASTER_PORT", {ll.MARKER_ENV!r})
+        with log.open("a") as f:
+            f.write(json.dumps({{"argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
+        print(f"step {{10 * (n + 1):>6}} loss 5.2100 lr 1.00e-03 1,234 tok/s 10 ms", flush=True)
+        print("launch", n, "exiting", {codes!r}[min(n, {len(codes) - 1})], flush=True)
+        sys.exit({codes!r}[min(n, {len(codes) - 1})])
+    """)
+
+
+def launches(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "launches.jsonl").read_text().splitlines()]
+
+
+def spec(tmp_path, entry, **kw):
+    return LocalJobSpec(args=["--config", "tiny", "--train.steps=40"], entrypoint=entry, state_dir=tmp_path / "state",
+                        relaunch_delay_s=0, total_steps=40, **kw)
+
+
+def test_success_streams_progress_and_passes_the_contract_env(tmp_path):
+    out = io.StringIO()
+    result = LocalLauncher(out).run(spec(tmp_path, counting_entrypoint(tmp_path, [0]), nproc_per_node=3,
+                                         ft_max_restarts=5))
+    assert result.relaunches == 0 and result.launches[0].exit_code == 0
+    (launch,) = launches(tmp_path)
+    assert launch["argv"] == ["--config", "tiny", "--train.steps=40"]
+    assert launch["env"]["NPROC_PER_NODE"] == "3" and launch["env"]["FT_MAX_RESTARTS"] == "5"
+    assert launch["env"]["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    assert "[train] step 10/40 loss 5.2100 (25%) 1,234 tok/s" in out.getvalue()
+    assert not (tmp_path / "state" / ll.STATE_FILE).exists()
+    assert (tmp_path / "state" / "launch-1.log").read_text().startswith("step")
+
+
+def test_retryable_exit_relaunches_within_budget(tmp_path):
+    out = io.StringIO()
+    result = LocalLauncher(out).run(spec(tmp_path, counting_entrypoint(tmp_path, [202, 137, 0]),
+                                         max_cluster_restarts=2))
+    assert [x.exit_code for x in result.launches] == [202, 137, 0]
+    assert result.relaunches == 2
+    assert "exit 202 (PREEMPTED) is retryable: relaunching (1/2)" in out.getvalue()
+    assert "(resumed)" not in out.getvalue()  # steps grew: 10, 20, 30
+
+
+def test_permanent_exit_fails_at_once_with_the_log_tail(tmp_path):
+    with pytest.raises(PermanentFailure) as info:
+        LocalLauncher(io.StringIO()).run(spec(tmp_path, counting_entrypoint(tmp_path, [3, 0]),
+                                              max_cluster_restarts=5))
+    assert len(launches(tmp_path)) == 1
+    assert info.value.exit_code == 3
+    assert "3 (DATA_ERROR)" in str(info.value) and "launch 0 exiting 3" in str(info.value)
+
+
+def test_budget_exhausted_fails_with_a_clear_message(tmp_path):
+    with pytest.raises(RestartBudgetExceeded) as info:
+        LocalLauncher(io.StringIO()).run(spec(tmp_path, counting_entrypoint(tmp_path, [200]),
+                                              max_cluster_restarts=1))
+    assert len(launches(tmp_path)) == 2
+    msg = str(info.value)
+    assert "200 (RESTART_BUDGET_EXHAUSTED)" in msg and "max_cluster_restarts=1" in msg
+    assert "pipeline step's retry resumes from the latest checkpoint" in msg
+
+
+def test_zero_budget_fails_on_the_first_retryable_exit(tmp_path):
+    with pytest.raises(RestartBudgetExceeded):
+        LocalLauncher(io.StringIO()).run(spec(tmp_path, counting_entrypoint(tmp_path, [202, 0])))
+    assert len(launches(tmp_path)) == 1
+
+
+def test_death_by_signal_counts_as_retryable(tmp_path):
+    entry = write_script(tmp_path / "entrypoint.sh", """
+        import os, signal
+        from pathlib import Path
+        flag = Path(__file__).with_name("killed-once")
+        if not flag.exists():
+            flag.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = LocalLauncher(io.StringIO()).run(spec(tmp_path, entry, max_cluster_restarts=1))
+    assert [x.exit_code for x in result.launches] == [137, 0]
+
+
+def test_deadline_kills_the_whole_tree(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    entry = write_script(tmp_path / "entrypoint.sh", f"""
+        import subprocess, sys, time
+        child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # escapes the process group
+        open({str(pidfile)!r}, "w").write(str(child.pid))
+        time.sleep(300)
+    """)
+    with pytest.raises(DeadlineExceeded):
+        LocalLauncher(io.StringIO()).run(spec(tmp_path, entry, deadline_s=1.5))
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    assert not ll._alive(child), "a grandchild in its own session survived the launcher"
+
+
+def test_kill_leftovers_is_idempotent(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    marker = "test-marker"
+    proc = subprocess.Popen(["sleep", "300"], env={**os.environ, ll.MARKER_ENV: marker}, start_new_session=True)
+    ll._write_state(state, proc.pid, marker)
+    assert kill_leftovers(state, grace_s=2) == 1
+    assert proc.wait(timeout=5) == -signal.SIGTERM
+    assert kill_leftovers(state) == 0  # nothing left, no state file: a no-op
+    assert not (state / ll.STATE_FILE).exists()
+
+
+def test_missing_entrypoint_is_a_permanent_failure(tmp_path):
+    with pytest.raises(PermanentFailure, match="missing or not executable"):
+        LocalLauncher(io.StringIO()).run(spec(tmp_path, tmp_path / "nope.sh"))
+
+
+def test_exit_code_mirror_matches_the_trainer_contract():
+    from trainer.exitcodes import ExitCode, is_retryable
+
+    assert ll.EXIT_NAMES == {int(c): c.name for c in ExitCode}
+    assert all(ll.is_retryable(c) == is_retryable(c) for c in range(256))
+
+
+def test_default_entrypoint_is_the_projects():
+    assert ll.default_entrypoint().is_file() and os.access(ll.default_entrypoint(), os.X_OK)
+
+
+def test_args_must_be_a_list():
+    with pytest.raises(ValueError, match="not one string"):
+        LocalJobSpec(args="--config tiny")

@@ -1,0 +1,41 @@
+"""The real pipeline on ``kfp.local`` with a fault for every recovery layer (the demo's settings)."""
+
+import json
+
+import pytest
+
+from components.lib.layout import RunLayout
+from components.lib.report import read_jsonl, summarize_ledger
+from pipelines.demo import demo_params, format_summary, run_local, summarize
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_pipeline_recovers_at_every_layer(tmp_path):
+    params = demo_params(tmp_path / "work")
+    run_root = run_local(params, tmp_path / "kfp")  # raises if the pipeline failed
+    layout = RunLayout(run_root.parent, run_root.name)
+
+    ledger, _ = read_jsonl(layout.run_dir / "recovery.jsonl")
+    restarts = summarize_ledger(ledger)["restarts"]
+    assert restarts["inprocess"] >= 1 and restarts["injob"] >= 1 and restarts["cluster"] >= 1, restarts
+    attempts = [r for r in read_jsonl(layout.launcher_dir / "attempts.jsonl")[0] if r["event"] == "end"]
+    assert [a["ok"] for a in attempts] == [False, True], "the sigterm attempt fails, the retry resumes and succeeds"
+
+    outputs = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "kfp").rglob("executor_output.json")}
+    train_metrics = outputs["train"]["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    assert train_metrics["steps"] == params["steps"]
+    assert {"tokens", "final_loss", "restarts_inprocess", "restarts_injob", "restarts_cluster", "goodput",
+            "step_attempts"} <= set(train_metrics)
+    model_meta = outputs["train"]["artifacts"]["checkpoint"]["artifacts"][0]["metadata"]
+    assert model_meta["checkpoint_dir"] == str(layout.checkpoint_dir) and model_meta["step"] == params["steps"]
+    eval_metrics = outputs["evaluate-checkpoint"]["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    assert {"val_loss", "perplexity", "step", "val_tokens", "promote"} <= set(eval_metrics)
+
+    reports = list((tmp_path / "kfp").rglob("evaluate-checkpoint/report"))
+    assert reports and reports[0].read_text().count("<svg") == 2
+    summary = summarize(run_root)
+    assert summary["decision"]["promote"] is True  # nothing was promoted in this fresh workdir
+    assert json.loads((tmp_path / "work" / "promoted-tiny.json").read_text())["run_id"] == layout.run_id
+    assert "val loss" in format_summary(summary, 1.0)

@@ -1,0 +1,118 @@
+"""The train step's interface: trainer args, both backends (PyTorchJob spec, local run with a fake entrypoint)."""
+
+import io
+import json
+
+import pytest
+from conftest import write_run_files
+
+from components.lib.layout import RunLayout
+from components.lib.params import PipelineParams
+from components.lib.pytorchjob import build_pytorchjob, job_name, to_manifest, webhook_errors
+from components.lib.train_step import (
+    LocalBackend, PyTorchJobBackend, TrainStepError, collect_outcome, resolve_init_from, run_train, step_attempts,
+    trainer_args,
+)
+
+
+def local_params(tmp_path, **kw):
+    return PipelineParams(backend="local", workdir=str(tmp_path / "w"), steps=12, checkpoint_interval=4,
+                          max_cluster_restarts=0, **kw)
+
+
+def test_trainer_args_put_everything_under_the_run(tmp_path):
+    p = local_params(tmp_path, faults="0:5:exception", seq_len=64, trainer_overrides=["--optim.lr=1e-3"])
+    layout = RunLayout(p.workdir, "run-1")
+    args = trainer_args(p, layout, "/data", "/warm")
+    assert args[:2] == ["--config", "tiny"]
+    assert f"--train.run_dir={tmp_path}/w/run-1/train" in args
+    assert f"--checkpoint.dir={tmp_path}/w/run-1/checkpoints" in args
+    assert {"--resiliency.faults=0:5:exception", "--data.seq_len=64", "--checkpoint.init_from=/warm",
+            "--train.device=cpu", "--resiliency.inprocess=true", "--data.path=/data"} <= set(args)
+    assert args[-1] == "--optim.lr=1e-3"
+
+
+def test_run_ids_cannot_escape_the_workdir():
+    with pytest.raises(ValueError, match="names a directory"):
+        RunLayout("/w", "../etc")
+
+
+def test_local_run_reports_checkpoint_and_metrics(tmp_path, fake_trainer_entrypoint):
+    p = local_params(tmp_path)
+    out = io.StringIO()
+    outcome = run_train(p, "run-1", "/data", backend=LocalBackend(fake_trainer_entrypoint), out=out)
+    assert outcome.step == 12 and outcome.model == "tiny"
+    assert outcome.checkpoint_dir == f"{tmp_path}/w/run-1/checkpoints"
+    m = outcome.metrics
+    assert m["restarts_injob"] == 1 and m["restarts_inprocess"] == 0 and m["goodput"] == 0.8
+    assert m["steps"] == 12 and m["step_attempts"] == 1 and m["final_loss"] == pytest.approx(7.4)
+    assert "[train] step 12/12 loss 7.4000 (100%)" in out.getvalue()
+    # a second attempt (pipeline retry) of the same run is counted and resumes in the same directories
+    run_train(p, "run-1", "/data", backend=LocalBackend(fake_trainer_entrypoint), out=out)
+    assert step_attempts(RunLayout(p.workdir, "run-1")) == 2
+    assert "resuming from" in out.getvalue()
+
+
+def test_success_without_summary_is_an_error(tmp_path):
+    p = local_params(tmp_path)
+    with pytest.raises(TrainStepError, match="summary.json is missing"):
+        collect_outcome(p, RunLayout(p.workdir, "r"))
+
+
+def test_stopping_short_of_the_steps_is_an_error(tmp_path):
+    p = local_params(tmp_path)
+    write_run_files(RunLayout(p.workdir, "r").run_dir, steps=8)
+    with pytest.raises(TrainStepError, match="stopped at step 8 of 12"):
+        collect_outcome(p, RunLayout(p.workdir, "r"))
+
+
+def test_local_cleanup_is_idempotent(tmp_path):
+    p = local_params(tmp_path)
+    backend = LocalBackend()
+    assert backend.cleanup(p, RunLayout(p.workdir, "r")) == "no local training processes left"
+    assert backend.cleanup(p, RunLayout(p.workdir, "r")) == "no local training processes left"
+
+
+def test_pytorchjob_spec_mounts_the_pvc_and_queues(monkeypatch):
+    monkeypatch.setenv("KUEUE_QUEUE_NAME", "train-queue")
+    p = PipelineParams(nodes=2, gpus_per_node=8, namespace="team-a", node_selector={"pool": "h100"},
+                       tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    layout = RunLayout(p.workdir, "3f2a9c1e-uuid")
+    spec = PyTorchJobBackend().spec(p, layout, trainer_args(p, layout, "/mnt/shared/x/data"))
+    assert spec.name == job_name("3f2a9c1e-uuid", "train") and spec.namespace == "team-a"
+    assert (spec.nodes, spec.nproc_per_node, spec.gpus_per_node) == (2, 8, 8)
+    manifest = to_manifest(build_pytorchjob(spec))
+    assert webhook_errors(manifest) == []
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "train-queue"
+    assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
+    assert {"name": "shared", "persistentVolumeClaim": {"claimName": "train-shared"}} in pod["spec"]["volumes"]
+    assert "--train.device=cuda" in pod["spec"]["containers"][0]["args"]
+
+
+class FakeK8sLauncher:
+    def __init__(self):
+        self.deleted = []
+
+    def delete(self, name, namespace):
+        self.deleted.append((name, namespace))
+        return len(self.deleted) == 1
+
+
+def test_pytorchjob_cleanup_deletes_by_the_deterministic_name():
+    fake = FakeK8sLauncher()
+    backend = PyTorchJobBackend(launcher_factory=lambda: fake)
+    p = PipelineParams(namespace="ns")
+    layout = RunLayout(p.workdir, "run-9")
+    assert backend.cleanup(p, layout).startswith("deleted PyTorchJob ns/")
+    assert backend.cleanup(p, layout).endswith("was already gone")
+    assert fake.deleted == [(job_name("run-9", "train"), "ns")] * 2
+
+
+def test_init_from_promoted_reads_the_registry(tmp_path):
+    p = local_params(tmp_path, init_from="promoted")
+    out = io.StringIO()
+    assert resolve_init_from(p, out) == "" and "nothing promoted yet" in out.getvalue()
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "promoted-tiny.json").write_text(json.dumps({"checkpoint_dir": "/ckpt", "step": 3}))
+    assert resolve_init_from(p, out) == "/ckpt"
