@@ -7,17 +7,24 @@ from components.lib.params import DEFAULT_IMAGE
 
 
 @dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
-def data_prep(corpus: str, vocab_size: int, max_corpus_bytes: int, workdir: str, run_id: str,
-              dataset: Output[Dataset]):
-    """Build ``<workdir>/<run_id>/data``; ``dataset`` holds manifest.json and metadata (tokens, checksums)."""
+def data_prep(corpus: str, vocab_size: int, max_corpus_bytes: int, workdir: str, run_id: str, init_from: str,
+              model: str, promoted_registry: str, dataset: Output[Dataset]):
+    """Build ``<workdir>/<run_id>/data``; ``dataset`` holds manifest.json and metadata (tokens, checksums).
+
+    A warm start (``init_from``) reuses the tokenizer of the data its checkpoint was trained on.
+    """
     import time
 
-    from components.lib.data_step import prepare
+    from components.lib.data_step import prepare, warm_start_data_dir
     from components.lib.layout import RunLayout
+    from components.lib.params import registry_location
 
     start = time.monotonic()
+    tokenizer_from = warm_start_data_dir(init_from, registry_location(promoted_registry, workdir, model))
+    if tokenizer_from:
+        print(f"[data] warm start: reusing the tokenizer of {tokenizer_from}")
     meta = prepare(corpus, RunLayout(workdir, run_id), vocab_size=vocab_size, max_bytes=max_corpus_bytes,
-                   artifact_dir=dataset.path)
+                   artifact_dir=dataset.path, tokenizer_from=tokenizer_from)
     dataset.metadata.update(meta)
     print(f"[data] {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, vocab {meta['vocab_size']}, "
           f"{meta['num_shards']} shard(s) in {meta['data_dir']} ({time.monotonic() - start:.1f} s)")

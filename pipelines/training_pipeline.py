@@ -100,7 +100,8 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
             check = on_cluster(validate_params(**params)).set_display_name("validate parameters")
 
             data = on_cluster(data_prep(corpus=corpus, vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes,
-                                        workdir=workdir, run_id=run_id)).after(check)
+                                        workdir=workdir, run_id=run_id, init_from=init_from, model=model,
+                                        promoted_registry=promoted_registry)).after(check)
             data.set_caching_options(False).set_display_name("prepare token data")
 
             trained = on_cluster(train(**params, run_id=run_id, dataset=data.outputs["dataset"]))

@@ -10,8 +10,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from components.lib.evaluation import data_identity
+from components.lib.evaluation import checkpoint_data_dir, data_identity, read_registry
 from components.lib.layout import RunLayout
+from components.lib.params import INIT_FROM_PROMOTED
 from components.lib.tokendata import MANIFEST, build_dataset, default_corpus
 
 #: Per-shard checksums go into the artifact metadata up to this many shards (all are in manifest.json).
@@ -19,14 +20,32 @@ MAX_LISTED_SHARDS = 64
 
 
 def prepare(corpus: str, layout: RunLayout, *, vocab_size: int, max_bytes: int = 0,
-            artifact_dir: str | Path | None = None) -> dict[str, Any]:
-    """Build the dataset for this run; copy its manifest into ``artifact_dir``; return the metadata."""
+            artifact_dir: str | Path | None = None, tokenizer_from: str = "") -> dict[str, Any]:
+    """Build the dataset for this run; copy its manifest into ``artifact_dir``; return the metadata.
+
+    ``tokenizer_from`` (a dataset directory) reuses that dataset's tokenizer: a warm start must see the token
+    ids its weights were trained on.
+    """
     manifest = build_dataset(corpus or default_corpus(), layout.data_dir, vocab_size=vocab_size,
-                             max_bytes=max_bytes or None)
+                             max_bytes=max_bytes or None, tokenizer=tokenizer_from or None)
     if artifact_dir is not None:
         Path(artifact_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(layout.data_dir / MANIFEST, Path(artifact_dir) / MANIFEST)
     return dataset_metadata(manifest, layout.data_dir)
+
+
+def warm_start_data_dir(init_from: str, registry: str) -> str:
+    """The dataset directory whose tokenizer a warm start must reuse ('' when training from scratch).
+
+    ``init_from=promoted`` uses the promoted record's dataset; an explicit checkpoint directory uses the
+    dataset named in that checkpoint's stored config (``CHECKPOINTS.md``: ``config.json`` -> data.path).
+    """
+    if not init_from:
+        return ""
+    if init_from == INIT_FROM_PROMOTED:
+        record = read_registry(registry)
+        return str(record.get("data_dir", "")) if record else ""
+    return checkpoint_data_dir(init_from)
 
 
 def dataset_metadata(manifest: dict[str, Any], data_dir: str | Path) -> dict[str, Any]:

@@ -100,6 +100,17 @@ def data_identity(manifest: Mapping[str, Any]) -> dict[str, str]:
 
 
 # --- the registry ---------------------------------------------------------------------------------------
+def checkpoint_data_dir(checkpoint_dir: str | Path) -> str:
+    """The dataset directory a run's checkpoints were trained on, from the newest committed checkpoint's
+    ``manifest.json`` (``config.data.path``; layout: ``trainer_image/trainer/CHECKPOINTS.md``)."""
+    directory = Path(checkpoint_dir)
+    committed = sorted(p for p in directory.glob("step-*") if p.name[5:].isdigit() and (p / "manifest.json").is_file())
+    if not committed:
+        raise EvaluationError(f"init_from {str(directory)!r} holds no committed checkpoint (step-XXXXXXXX/manifest.json)")
+    manifest = json.loads((committed[-1] / "manifest.json").read_text())
+    return str(manifest.get("config", {}).get("data", {}).get("path", ""))
+
+
 def registry_path(uri: str) -> Path:
     """A registry location (absolute path or ``file://`` URI) as a local path."""
     if "://" in uri:

@@ -132,6 +132,20 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, *, min_frequency:
     return tokenizer
 
 
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A byte-level BPE tokenizer from ``tokenizer.json`` or a dataset directory that holds one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / TOKENIZER_FILE
+    if not p.is_file():
+        raise CorpusError(f"tokenizer {str(path)!r} not found: give a tokenizer.json or a dataset directory")
+    tok = Tokenizer.from_file(str(p))
+    if tok.token_to_id(EOS_TOKEN) is None:
+        raise CorpusError(f"tokenizer {p} has no {EOS_TOKEN!r} token: it was not built by this data prep")
+    tok.encode_special_tokens = True
+    return tok
+
+
 def _fsync_dir(directory: Path) -> None:
     """Persist a directory's entries (renames) on POSIX file systems."""
     fd = os.open(directory, os.O_RDONLY)
@@ -236,6 +250,7 @@ def build_dataset(
     max_files: int | None = None,
     max_bytes: int | None = None,
     pattern: str = "*.py",
+    tokenizer: str | Path | None = None,
 ) -> dict:
     """Train a tokenizer on the corpus and write a version-1 token-shard dataset; return its manifest.
 
@@ -243,6 +258,9 @@ def build_dataset(
     counted in ``source.num_skipped_files``. Documents go to the val split by a seeded permutation
     (``round(n * val_fraction)``, at least one); the tokenizer is trained on the train split only.
     ``max_files`` / ``max_bytes`` keep only the first files (sorted order) of the corpus.
+    ``tokenizer`` reuses an existing ``tokenizer.json`` (or a dataset directory holding one) instead of
+    training a new one, so a warm-started model sees the token ids it was trained on; ``vocab_size`` is then
+    ignored.
     """
     _validate_args(vocab_size, val_fraction, shard_tokens, max_files, max_bytes)
     candidates = _select_files(iter_corpus_files(corpus, pattern), max_files, max_bytes)
@@ -263,12 +281,16 @@ def build_dataset(
     (out / MANIFEST).unlink(missing_ok=True)
 
     start = time.monotonic()
-    tokenizer = train_tokenizer((d for p in split_files["train"] if (d := _read_document(p))), vocab_size)
-    actual_vocab = tokenizer.get_vocab_size()
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    else:
+        tok = train_tokenizer((d for p in split_files["train"] if (d := _read_document(p))), vocab_size)
+    actual_vocab = tok.get_vocab_size()
+    eos_id = tok.token_to_id(EOS_TOKEN)
     dtype = dtype_for_vocab(actual_vocab)
-    tokenizer_sha = _atomic_write(out / TOKENIZER_FILE, tokenizer.to_str().encode("utf-8"))
-    log.info("trained tokenizer: vocab %d in %.1fs", actual_vocab, time.monotonic() - start)
+    tokenizer_sha = _atomic_write(out / TOKENIZER_FILE, tok.to_str().encode("utf-8"))
+    log.info("%s tokenizer: vocab %d in %.1fs", "reused" if tokenizer else "trained", actual_vocab,
+             time.monotonic() - start)
 
     shards: dict[str, list[dict]] = {}
     for split in SPLITS:
@@ -277,7 +299,7 @@ def build_dataset(
         for i in range(0, len(paths), _ENCODE_CHUNK_DOCS):
             texts = [d for p in paths[i : i + _ENCODE_CHUNK_DOCS] if (d := _read_document(p))]
             flat: list[int] = []
-            for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
+            for encoding in tok.encode_batch(texts, add_special_tokens=False):
                 flat.extend(encoding.ids)
                 flat.append(eos_id)
             writer.add(np.array(flat, dtype=np.uint32))
@@ -308,6 +330,7 @@ def build_dataset(
             "val_fraction": val_fraction,
             "seed": seed,
             "shard_tokens": shard_tokens,
+            "tokenizer_from": str(tokenizer) if tokenizer else None,
         },
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -353,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-files", type=int, default=None)
     parser.add_argument("--max-bytes", type=int, default=None)
+    parser.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json (or dataset dir's) instead of training one")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
@@ -367,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_files=args.max_files,
             max_bytes=args.max_bytes,
             pattern=args.pattern,
+            tokenizer=args.tokenizer,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -28,13 +28,23 @@ def test_data_prep_writes_shards_to_the_run_and_the_manifest_to_the_artifact(tmp
     for i in range(6):
         (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 40)
     artifact = dsl.Dataset(uri=str(tmp_path / "artifact" / "dataset"))
-    data_prep.python_func(corpus=str(corpus), vocab_size=300, max_corpus_bytes=0, workdir=str(tmp_path / "w"),
-                          run_id="r1", dataset=artifact)
+    common = dict(vocab_size=300, max_corpus_bytes=0, workdir=str(tmp_path / "w"), model="tiny", promoted_registry="")
+    data_prep.python_func(corpus=str(corpus), run_id="r1", init_from="", dataset=artifact, **common)
     meta = artifact.metadata
     assert meta["data_dir"] == str(tmp_path / "w" / "r1" / "data")
     assert meta["train_tokens"] > 0 and meta["val_tokens"] > 0 and len(meta["shard_sha256"]) == meta["num_shards"]
     manifest = json.loads((tmp_path / "artifact" / "dataset" / "manifest.json").read_text())
     assert manifest["tokenizer_sha256"] == meta["tokenizer_sha256"]
+
+    # A warm start from the promoted model on fresh data reuses that model's tokenizer.
+    (tmp_path / "w" / "promoted-tiny.json").write_text(json.dumps({"data_dir": meta["data_dir"]}))
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for i in range(4):
+        (fresh / f"n{i}.py").write_text(f"class C{i}:\n    value = {i}\n" * 30)
+    warm = dsl.Dataset(uri=str(tmp_path / "artifact" / "warm"))
+    data_prep.python_func(corpus=str(fresh), run_id="r2", init_from="promoted", dataset=warm, **common)
+    assert warm.metadata["tokenizer_sha256"] == meta["tokenizer_sha256"]
 
 
 def test_promote_records_the_candidate_once(tmp_path):

@@ -12,7 +12,14 @@ import pytest
 from tokenizers import Tokenizer
 
 from components.lib import tokendata
-from components.lib.tokendata import CorpusError, build_dataset, default_corpus, dtype_for_vocab, iter_corpus_files
+from components.lib.tokendata import (
+    CorpusError,
+    build_dataset,
+    default_corpus,
+    dtype_for_vocab,
+    iter_corpus_files,
+    load_tokenizer,
+)
 
 VOCAB = 400
 
@@ -228,3 +235,20 @@ def test_builder_module_is_torch_free() -> None:
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"torch", "trainer", "nvidia_resiliency_ext"}
+
+
+def test_reused_tokenizer_gives_identical_ids_on_new_data(built: tuple[Path, dict], tmp_path: Path) -> None:
+    """A warm start on fresh data must keep the token ids its weights were trained on."""
+    out, manifest = built
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for i in range(4):
+        (fresh / f"f{i}.py").write_text(f"def fresh_{i}(x):\n    return x * {i} + 1\n" * 20)
+    again = build_dataset(fresh, tmp_path / "out", tokenizer=out, vocab_size=300)
+    assert again["tokenizer_sha256"] == manifest["tokenizer_sha256"]
+    assert again["vocab_size"] == manifest["vocab_size"]
+    original = load_tokenizer(out / "tokenizer.json")
+    text = "def fresh_1(x):\n    return x * 1 + 1\n"
+    assert load_tokenizer(tmp_path / "out").encode(text).ids == original.encode(text).ids
+    with pytest.raises(CorpusError, match="not found"):
+        build_dataset(fresh, tmp_path / "out2", tokenizer=tmp_path / "nope")
