@@ -161,6 +161,8 @@ class CheckpointConfig:
     """Resume from the latest valid checkpoint in ``dir`` when one exists."""
     init_from: str = ""
     """Warm start: load model weights (not optimizer or step) from this checkpoint dir when ``dir`` is empty."""
+    verify_checksums: bool = True
+    """Verify every shard's sha256 against the manifest before loading (each rank hashes its share of the files)."""
 
     def validate(self) -> None:
         if self.interval < 0:
@@ -174,29 +176,83 @@ class CheckpointConfig:
 @dataclass
 class ResiliencyConfig:
     inprocess: bool = False
-    """Wrap training in NVRx ``inprocess.Wrapper`` (in-process restart on exceptions and hangs)."""
+    """In-process restart layer: wrap training in NVRx ``inprocess.Wrapper`` (exceptions and hangs are
+    recovered in the same processes). On CPU/gloo it needs ``collective_timeout_s < soft_timeout_s``."""
     inprocess_max_restarts: int = 3
-    """In-process restarts allowed per process before the fault escalates to the in-job layer."""
+    """In-process restarts allowed per process (and faults per rank, NVRx ``FaultCounter``); beyond it the
+    process exits RESTART_BUDGET_EXHAUSTED (200) and the in-job layer takes over."""
     heartbeats: str = "auto"
-    """NVRx ``RankMonitorClient`` heartbeats: ``auto`` (on under ft_launcher), ``on`` or ``off``."""
+    """In-job layer: NVRx ``RankMonitorClient`` heartbeats to ``ft_launcher``: ``auto`` (on when launched
+    by ft_launcher), ``on`` (error without ft_launcher) or ``off``."""
     soft_timeout_s: float = 60.0
-    """In-process: a rank that made no progress for this long is asked to restart."""
+    """In-process: a rank that made no progress (no step) for this long is interrupted and restarted."""
     hard_timeout_s: float = 90.0
-    """In-process: a rank stuck this long (e.g. GIL held) is terminated."""
+    """In-process: a rank stuck this long (e.g. GIL held) is terminated; the in-job layer then restarts
+    the group. Keep ``ft_launcher``'s heartbeat timeout above it (``entrypoint.sh``)."""
+    heartbeat_timeout_s: float = 30.0
+    """In-process: a rank whose monitor sends no heartbeat for this long is declared missing."""
+    termination_grace_s: float = 5.0
+    """In-process: seconds between SIGTERM and SIGKILL when the hard timeout terminates a rank."""
+    monitor_process_interval_s: float = 0.5
+    """In-process: how often the monitor process checks timeouts; must be < ``progress_watchdog_interval_s``
+    (NVRx skips timeout checks while watchdog timestamps keep arriving)."""
+    progress_watchdog_interval_s: float = 1.0
+    """In-process: how often the progress watchdog reports a timestamp to the monitor process."""
     collective_timeout_s: float = 30.0
-    """Process-group (collective) timeout; on CPU/gloo it must stay below ``soft_timeout_s``."""
+    """Process-group (collective) timeout. With ``inprocess`` on CPU/gloo it must stay below
+    ``soft_timeout_s``: a blocked gloo collective cannot be aborted, only timed out."""
+    health_checks: bool = True
+    """Check GPU (NVML: ECC, retired pages, XID, thermal), NVLink and NIC health at start and after each
+    in-process fault; an unhealthy rank exits UNHEALTHY_NODE (201). Absent hardware is skipped."""
+    sysfs_root: str = "/sys"
+    """Root of the sysfs tree the NIC health check reads (``class/net``, ``class/infiniband``); for tests."""
+    preemption_grace_s: float = 25.0
+    """On SIGTERM: seconds allowed for the final synchronous checkpoint before the process exits anyway.
+    Keep it below the pod's ``terminationGracePeriodSeconds`` (Kubernetes default 30)."""
     faults: list[str] = field(default_factory=list)
     """Fault injection, ``rank:step:kind`` items (kinds: exception, hang, hang_gil, sigkill, oom, sigterm,
     corrupt_checkpoint). Off when empty; each fires once per run directory."""
 
     def validate(self) -> None:
         _choice(self, "resiliency", "heartbeats", ("auto", "on", "off"))
-        _positive(self, "resiliency", ("soft_timeout_s", "hard_timeout_s", "collective_timeout_s"))
+        _positive(self, "resiliency", (
+            "soft_timeout_s", "hard_timeout_s", "heartbeat_timeout_s", "termination_grace_s",
+            "monitor_process_interval_s", "progress_watchdog_interval_s", "collective_timeout_s",
+            "preemption_grace_s",
+        ))
+        if self.inprocess_max_restarts < 0:
+            raise ConfigError(f"resiliency.inprocess_max_restarts must be >= 0; got {self.inprocess_max_restarts}")
         if self.hard_timeout_s <= self.soft_timeout_s:
             raise ConfigError(
-                f"resiliency.hard_timeout_s ({self.hard_timeout_s}) must be greater than "
-                f"resiliency.soft_timeout_s ({self.soft_timeout_s})"
+                f"resiliency.hard_timeout_s ({self.hard_timeout_s:g}) must be greater than "
+                f"resiliency.soft_timeout_s ({self.soft_timeout_s:g})"
             )
+        if self.monitor_process_interval_s >= self.progress_watchdog_interval_s:
+            raise ConfigError(
+                f"resiliency.monitor_process_interval_s ({self.monitor_process_interval_s:g}) must be smaller than "
+                f"resiliency.progress_watchdog_interval_s ({self.progress_watchdog_interval_s:g}), or NVRx skips "
+                "its timeout checks; e.g. 0.5 and 1.0"
+            )
+        if self.progress_watchdog_interval_s >= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.progress_watchdog_interval_s ({self.progress_watchdog_interval_s:g}) must be smaller "
+                f"than resiliency.soft_timeout_s ({self.soft_timeout_s:g})"
+            )
+        if self.inprocess and self.collective_timeout_s >= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.collective_timeout_s ({self.collective_timeout_s:g}) must be smaller than "
+                f"resiliency.soft_timeout_s ({self.soft_timeout_s:g}) when resiliency.inprocess is on: a blocked "
+                "gloo collective cannot be aborted, only timed out; lower collective_timeout_s (e.g. to "
+                f"{max(1.0, self.soft_timeout_s / 2):g}) or raise soft_timeout_s"
+            )
+        if self.inprocess and self.heartbeat_timeout_s <= self.monitor_process_interval_s:
+            raise ConfigError(
+                f"resiliency.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be greater than "
+                f"resiliency.monitor_process_interval_s ({self.monitor_process_interval_s:g})"
+            )
+        from trainer.faults import parse_faults  # stdlib only
+
+        parse_faults(self.faults)
 
 
 @dataclass

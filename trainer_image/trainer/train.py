@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer import parallel
+from trainer import parallel, resiliency
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, OptimConfig
 from trainer.data import ShardedTokens, TokenLoader
@@ -40,6 +40,8 @@ class Resources:
     device: torch.device
     dataset: ShardedTokens
     metrics: MetricsLogger
+    checkpointer: CheckpointManager
+    """One per process: its background writer and host staging buffers survive in-process restarts."""
     started_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -58,7 +60,12 @@ class Resources:
                 f"({dataset.vocab_size}); set --model.vocab_size=0 to take it from the dataset"
             )
         metrics = MetricsLogger(cfg.train.run_dir, enabled=env.is_main)
-        return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics)
+        checkpointer = CheckpointManager(cfg.checkpoint, cfg.checkpoint_dir, env, config_json=cfg.to_json())
+        return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics, checkpointer=checkpointer)
+
+    def close(self) -> None:
+        """End of the process: stop the checkpoint writer (idempotent; also runs at interpreter exit)."""
+        self.checkpointer.close()
 
 
 class TrainProgress:
@@ -113,23 +120,28 @@ def global_mean(value: torch.Tensor, world_size: int) -> float:
     return value.item() / world_size
 
 
-def train(res: Resources, store: dist.Store | None = None) -> dict[str, Any]:
+def train(
+    res: Resources, store: dist.Store | None = None, ft: resiliency.Layers | None = None
+) -> dict[str, Any]:
     """Run (or resume) training up to ``train.steps``; returns the summary. Restartable in-process."""
     cfg, env, device = res.cfg, res.env, res.device
+    ft = ft or resiliency.NULL()  # FT: recovery layers (resiliency.run); all no-ops when called directly
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
-    checkpointer = CheckpointManager(cfg.checkpoint, cfg.checkpoint_dir, env, config_json=cfg.to_json())
+    checkpointer = res.checkpointer
     try:
+        checkpointer.bind()  # FT: per attempt: the new process group; settles a save left in flight by the last one
         model = build_model(cfg, device)
         optimizer = build_optimizer(model, cfg.optim)
         loader = TokenLoader(
             res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size, cfg.data.seed
         )
         progress = TrainProgress()
-        state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader}
+        state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
+                 "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
         checkpointer.load_latest(state)
-        return _loop(res, model, optimizer, loader, progress, checkpointer, state)
+        return _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     finally:
-        checkpointer.close()
+        checkpointer.unbind()  # FT: no collectives here: after a fault the process group may be broken
         parallel.destroy_process_group()
 
 
@@ -141,6 +153,7 @@ def _loop(
     progress: TrainProgress,
     checkpointer: CheckpointManager,
     state: dict[str, Any],
+    ft: resiliency.Layers,
 ) -> dict[str, Any]:
     cfg, env, device = res.cfg, res.env, res.device
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * env.world_size
@@ -156,7 +169,9 @@ def _loop(
         res.metrics.log({"event": "resume", "step": progress.step})
     loss = torch.zeros((), device=device)
     t_last, steps_since_log = time.perf_counter(), 0
+    ft.on_loop_start(progress.step)  # FT: ledger: start, or which layer restarted us
     for step in range(first_step, cfg.train.steps + 1):
+        ft.before_step(step)  # FT: progress ping (in-process), heartbeat (in-job), fault injection
         lr = lr_at(step, cfg.optim, cfg.train.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -192,7 +207,9 @@ def _loop(
                     "mfu": flops_per_step / step_time / (peak * env.world_size) if peak else None,
                 }
             )
-        checkpointer.save(step, state, last_step=last_step)
+        with ft.atomic():  # FT: an in-process restart never interrupts a checkpoint commit
+            saved = checkpointer.save(step, state, last_step=last_step)
+        ft.after_step(step, checkpointer, state, saved)  # FT: timeouts, ledger, SIGTERM -> final save + exit
     summary = {
         "event": "summary",
         "steps": progress.step,
@@ -202,6 +219,7 @@ def _loop(
         "world_size": env.world_size,
     }
     res.metrics.log(summary)
+    ft.on_train_end(progress.step)  # FT: ledger summary (goodput)
     if env.is_main:
         (Path(cfg.train.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
