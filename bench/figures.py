@@ -1,0 +1,76 @@
+"""Turn a training run directory into benchmark figures, one JSON line each.
+
+``python bench/figures.py throughput RUN_DIR [--skip 10]``: median tokens/s, tokens/s per GPU, step time and MFU
+over the logged steps after ``--skip`` warm-up steps (compilation, allocator warm-up).
+``python bench/figures.py recovery RUN_DIR``: every ``recovered`` record of the recovery ledger (layer, fault,
+seconds from the fault to the first productive step, steps redone) and the ledger's goodput summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def throughput(run_dir: Path, skip: int) -> None:
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    start = next((r for r in records if r.get("event") == "start"), {})
+    steps = [r for r in records if r.get("event") == "step" and r["step"] > skip]
+    if not steps:
+        sys.exit(f"{run_dir}: no step records after step {skip}")
+    world = start.get("world_size", 1)
+    tps = statistics.median(r["tokens_per_s"] for r in steps)
+    mfu = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    emit({"figure": "throughput", "run": run_dir.name, "model": start.get("model"), "gpus": world,
+          "tokens_per_s": round(tps), "tokens_per_s_per_gpu": round(tps / world),
+          "step_time_s": round(statistics.median(r["step_time_s"] for r in steps), 4),
+          "mfu": round(statistics.median(mfu), 4) if mfu else None, "steps_measured": len(steps)})
+
+
+def recovery(run_dir: Path) -> None:
+    ledger = read_jsonl(run_dir / "recovery.jsonl")
+    for r in ledger:
+        if r.get("event") == "recovered":
+            emit({"figure": "recovery", "run": run_dir.name, "layer": r.get("layer"), "fault": r.get("fault_kind"),
+                  "fault_step": r.get("fault_step"), "recovery_s": r.get("recovery_s"),
+                  "steps_redone": r.get("steps_redone")})
+    summary = [r for r in ledger if r.get("event") == "summary"]
+    if summary:
+        s = summary[-1]
+        emit({"figure": "goodput", "run": run_dir.name, "goodput": s.get("goodput"), "wall_s": s.get("wall_s"),
+              "productive_s": s.get("productive_s"), "steps": s.get("steps"), "restarts": s.get("by_layer")})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=("throughput", "recovery"))
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--skip", type=int, default=10)
+    args = parser.parse_args()
+    if args.kind == "throughput":
+        throughput(args.run_dir, args.skip)
+    else:
+        recovery(args.run_dir)
+
+
+if __name__ == "__main__":
+    main()

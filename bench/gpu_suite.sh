@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# GPU benchmark driver: every figure of BENCHMARKS.md as JSON lines in $OUT/figures.jsonl (and on stdout).
+#
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery goodput
+#
+# Runs on the lent H200 machine (source bench/gpu_env.sh first there) or any CUDA host with the project
+# installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `goodput`
+# (an 8-minute run with one exception and one SIGKILL) takes a call of its own.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-runs/bench}"
+mkdir -p "$OUT"
+FIG="$OUT/figures.jsonl"
+DATA="${BENCH_DATA:-$OUT/data}"
+NGPU="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
+CKPT_ROOT="${BENCH_CKPT_ROOT:-$PWD/.bench-ckpt}"   # local disk, as a node-local checkpoint tier would be
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+say() { printf '== %s\n' "$*" >&2; }
+fig() { tee -a "$FIG"; }
+
+ensure_data() {
+  [[ -f "$DATA/manifest.json" ]] && return
+  python3 -m components.lib.tokendata --out "$DATA" --vocab-size 4096 --max-bytes 12000000 >&2
+}
+
+train() {  # name nproc [overrides...]: the trainer under torchrun, log in $OUT/name.log
+  local name=$1 n=$2; shift 2
+  rm -rf "$CKPT_ROOT/$name"
+  timeout 300 torchrun --standalone --nproc-per-node "$n" -m trainer --config 1b --data.path="$DATA" \
+    --train.run_dir="$OUT/$name" --checkpoint.dir="$CKPT_ROOT/$name" --train.log_every=1 "$@" \
+    >"$OUT/$name.log" 2>&1
+  say "$name: exit $?"
+}
+
+faulty() {  # name nproc [overrides...]: the trainer under entrypoint.sh (ft_launcher), in-process layer on
+  local name=$1 n=$2; shift 2
+  rm -rf "$CKPT_ROOT/$name"
+  NPROC_PER_NODE=$n MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=3 \
+    timeout 560 trainer_image/entrypoint.sh --config 1b --data.path="$DATA" --train.run_dir="$OUT/$name" \
+    --checkpoint.dir="$CKPT_ROOT/$name" --train.log_every=1 --train.compile=false \
+    --resiliency.inprocess=true "$@" >"$OUT/$name.log" 2>&1
+  say "$name: exit $?"
+}
+
+part_floors() {
+  python3 bench/floors.py --dir "$CKPT_ROOT/floors" --gib 4 | fig
+  (( NGPU > 1 )) && torchrun --standalone --nproc-per-node "$NGPU" bench/floors.py --nccl | fig
+}
+
+part_throughput() {
+  ensure_data
+  for n in 1 $(( NGPU > 1 ? NGPU : 1 )); do
+    train "tput-compile-$n" "$n" --train.steps=40 --checkpoint.interval=0 --checkpoint.async_save=false
+    python3 bench/figures.py throughput "$OUT/tput-compile-$n" --skip 10 | fig
+  done
+}
+
+part_checkpoint() {
+  timeout 400 torchrun --standalone --nproc-per-node "$NGPU" bench/checkpoint_bench.py --config 1b \
+    --saves 3 --steps 50 --every 25 --dir "$CKPT_ROOT/bench" --train.compile=false 2>"$OUT/checkpoint_bench.log" | fig
+}
+
+part_recovery() {
+  ensure_data
+  faulty "recovery" "$NGPU" --train.steps=60 --checkpoint.interval=10 --resiliency.faults=1:25:exception,0:45:sigkill
+  python3 bench/figures.py recovery "$OUT/recovery" | fig
+}
+
+part_goodput() {
+  ensure_data
+  # ~9 minutes of steps at ~0.4 s (eager, 2 GPUs); faults at a quarter and at half of the run.
+  faulty "goodput" "$NGPU" --train.steps="${GOODPUT_STEPS:-1250}" --checkpoint.interval=100 \
+    --resiliency.faults="1:300:exception,0:600:sigkill"
+  python3 bench/figures.py recovery "$OUT/goodput" | fig
+}
+
+for part in "$@"; do
+  say "part $part"
+  "part_$part"
+done
