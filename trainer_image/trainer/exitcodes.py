@@ -43,11 +43,89 @@ class ExitCode(enum.IntEnum):
     """A health check failed on this node: do not restart here, replace the node/pod."""
     PREEMPTED = 202
     """SIGTERM (preemption, eviction) was handled: a final checkpoint was committed; resume anywhere."""
+    RANKS_LOST = 203
+    """A peer rank was lost: a collective failed because a peer died or hung (gloo/NCCL error), or the
+    in-process layer cannot continue without a terminated rank; the in-job layer (ft_launcher) or the
+    cluster restarts the whole group."""
 
 
 def is_retryable(code: int) -> bool:
     """True when the cluster layer (PyTorchJob ExitCode policy, pipeline retry) should restart."""
     return code >= 128
+
+
+#: Environment variable naming a directory where each worker records its exit code (file ``rank-<RANK>``
+#: holding ``"<TORCHELASTIC_RESTART_COUNT> <code>"``). Set by ``entrypoint.sh``: ``ft_launcher`` itself exits
+#: 1 for every failure, so the entrypoint maps the workers' last-attempt codes onto this contract.
+EXIT_CODE_DIR_ENV = "TRAINER_EXIT_CODE_DIR"
+
+
+def classify(exc: BaseException) -> ExitCode:
+    """The contract code for an exception that ended training (the cause chain is searched).
+
+    Permanent: ``ConfigError`` -> CONFIG_ERROR, data ``ShardError`` -> DATA_ERROR, ``CheckpointError`` ->
+    CHECKPOINT_ERROR, anything else -> CODE_ERROR. Retryable: ``TrainerExit`` carries its own code; an
+    unhealthy node (``health.NodeUnhealthy``) -> UNHEALTHY_NODE; the in-process layer giving up
+    (NVRx ``FaultCounterExceeded`` or another ``RestartError``) -> RESTART_BUDGET_EXHAUSTED; a collective
+    or store failure caused by a lost peer -> RANKS_LOST.
+    """
+    chain = _cause_chain(exc)
+    for link in chain:
+        if isinstance(link, TrainerExit):
+            return link.exit_code
+    names = {cls.__name__ for link in chain for cls in type(link).__mro__}
+    for name, code in _BY_CLASS_NAME:
+        if name in names:
+            return code
+    if any(marker in str(link) for link in chain for marker in _PEER_LOST_MARKERS):
+        return ExitCode.RANKS_LOST
+    return ExitCode.CODE_ERROR
+
+
+# Matched by class name so this module stays importable without torch/numpy (the trainer's CLI reports
+# argument errors before importing them). Priority: the first entry found anywhere in the cause chain wins.
+_BY_CLASS_NAME: tuple[tuple[str, ExitCode], ...] = (
+    ("ConfigError", ExitCode.CONFIG_ERROR),
+    ("ShardError", ExitCode.DATA_ERROR),
+    ("CheckpointError", ExitCode.CHECKPOINT_ERROR),
+    ("NodeUnhealthy", ExitCode.UNHEALTHY_NODE),
+    ("FaultCounterExceeded", ExitCode.RESTART_BUDGET_EXHAUSTED),
+    ("RestartError", ExitCode.RESTART_BUDGET_EXHAUSTED),  # any other NVRx Wrapper give-up (barrier timeout ...)
+    ("DistError", ExitCode.RANKS_LOST),  # torch.distributed store/network errors: a peer or the store is gone
+)
+# gloo and NCCL raise plain RuntimeErrors when a peer died or hung; their messages name the transport.
+_PEER_LOST_MARKERS = ("/gloo/", "NCCL", "Connection reset by peer", "Connection closed by peer")
+
+
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        link = todo.pop(0)
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        chain.append(link)
+        todo += [link.__cause__, link.__context__]
+    return chain
+
+
+def record_exit(code: int) -> None:
+    """Write this worker's exit code where ``entrypoint.sh`` reads it (no-op outside the entrypoint)."""
+    import os
+
+    directory = os.environ.get(EXIT_CODE_DIR_ENV)
+    if not directory:
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    path = os.path.join(directory, f"rank-{os.environ.get('RANK', '0')}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{attempt} {int(code)}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:  # the exit code itself still reaches the launcher
+        pass
 
 
 class TrainerExit(SystemExit):

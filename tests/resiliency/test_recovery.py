@@ -1,0 +1,217 @@
+"""Faults injected into 2-rank gloo runs of the tiny model; each run must end bit-identical to a fault-free run.
+
+Short CPU timeouts (gloo 3 s < soft 6 s < hard 12 s < ft_launcher heartbeat 30 s) keep the directory
+within a few minutes on 2 cores. After every scenario: no process, listening port or /dev/shm entry of
+the run is left behind.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, free_port
+from trainer.checkpoint import load_model_weights
+from trainer.exitcodes import ExitCode
+from trainer.ledger import read
+
+pytestmark = pytest.mark.multiprocess
+
+VENV_BIN = Path(sys.executable).parent
+ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
+STEPS = 10
+BASE = ["--config", "tiny", "--train.steps=%d" % STEPS, "--checkpoint.interval=2", "--checkpoint.keep=3"]
+INPROCESS = [
+    "--resiliency.inprocess=true", "--resiliency.collective_timeout_s=3", "--resiliency.soft_timeout_s=6",
+    "--resiliency.hard_timeout_s=12", "--resiliency.heartbeat_timeout_s=10", "--resiliency.termination_grace_s=2",
+]
+FT_ENV = {  # nest outward: ft heartbeat 30 s > hard 12 s + grace 2 s + margin 10 s
+    "FT_RANK_HEARTBEAT_TIMEOUT": "30", "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT": "60", "FT_WORKLOAD_CHECK_INTERVAL": "1",
+    "FT_WORKERS_STOP_TIMEOUT": "5", "FT_TERM_TIMEOUT": "20",
+}
+GRACE = ["--resiliency.preemption_grace_s=10"]
+
+
+def _run(cmd, run_dir, env_extra=None, timeout=150):
+    """Run a launcher in its own session; returns (returncode, output, port). Kills the session on timeout."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **(env_extra or {})}
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
+    _assert_nothing_left(run_dir, port, shm_before)
+    return proc.returncode, out, port
+
+
+def torchrun(run_dir, dataset, *args, **kw):
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node=2", "--master-port={port}", "-m", "trainer", *BASE,
+           f"--data.path={dataset}", f"--train.run_dir={run_dir}", *args]
+    return _run(cmd, run_dir, **kw)
+
+
+def entrypoint(run_dir, dataset, *args, env=None, **kw):
+    cmd = [str(ENTRYPOINT), *BASE, f"--data.path={dataset}", f"--train.run_dir={run_dir}", *args]
+    return _run(cmd, run_dir, env_extra={**FT_ENV, **(env or {})}, **kw)
+
+
+def _pids_of(run_dir):
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(run_dir) in cmdline and int(entry) != os.getpid():
+                pids.append(int(entry))
+    return pids
+
+
+def _listening_ports():
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _assert_nothing_left(run_dir, port, shm_before):
+    deadline = time.monotonic() + 10  # NVRx monitor daemons and checkpoint writers exit asynchronously
+    while (left := _pids_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+    busy = _listening_ports() & {port, port + 1, port + 2}
+    assert not busy, f"ports still listening: {busy}"
+    leaked = [name for name in set(os.listdir("/dev/shm")) - shm_before
+              if any(str(pid) in name for pid in _pids_in_ledger(run_dir))]
+    assert not leaked, f"/dev/shm entries left: {leaked}"
+
+
+def _pids_in_ledger(run_dir):
+    return {r["pid"] for r in read(Path(run_dir) / "recovery.jsonl")}
+
+
+def assert_same_weights(run_dir, reference):
+    weights = load_model_weights(Path(run_dir) / "checkpoints")
+    assert weights.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(weights[key], reference[key]), f"{key} differs from the fault-free run"
+
+
+def events(run_dir, kind):
+    return [r for r in read(Path(run_dir) / "recovery.jsonl") if r["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_dataset):
+    run_dir = tmp_path_factory.mktemp("reference")
+    rc, out, _ = torchrun(run_dir, tiny_dataset)
+    assert rc == 0, out[-4000:]
+    return load_model_weights(run_dir / "checkpoints")
+
+
+def test_exception_is_recovered_in_process(tmp_path, tiny_dataset, reference):
+    rc, out, _ = torchrun(tmp_path, tiny_dataset, *INPROCESS, "--resiliency.faults=1:5:exception")
+    assert rc == 0, out[-4000:]
+    (fault,) = events(tmp_path, "fault")
+    restarts = events(tmp_path, "restart")
+    assert {r["layer"] for r in restarts} == {"inprocess"} and {r["rank"] for r in restarts} == {0, 1}
+    rank1 = next(r for r in restarts if r["rank"] == 1)
+    assert rank1["pid"] == fault["pid"] and rank1["iteration"] == 1, "rank 1 must restart in the same process"
+    (start,) = events(tmp_path, "start")
+    assert next(r for r in restarts if r["rank"] == 0)["pid"] == start["pid"]
+    (recovered,) = events(tmp_path, "recovered")
+    assert recovered["layer"] == "inprocess" and recovered["fault_kind"] == "exception"
+    assert events(tmp_path, "summary")[0]["by_layer"] == {"inprocess": 1, "injob": 0, "cluster": 0}
+    assert_same_weights(tmp_path, reference)
+
+
+def test_hang_is_recovered_in_process(tmp_path, tiny_dataset, reference):
+    rc, out, _ = torchrun(tmp_path, tiny_dataset, *INPROCESS, "--resiliency.faults=1:5:hang")
+    assert rc == 0, out[-4000:]
+    (recovered,) = events(tmp_path, "recovered")
+    assert recovered["layer"] == "inprocess" and recovered["fault_kind"] == "hang"
+    assert recovered["recovery_s"] < 12 + 10, "a GIL-free hang must be recovered before the hard timeout"
+    assert_same_weights(tmp_path, reference)
+
+
+def test_hang_holding_the_gil_is_recovered_in_job(tmp_path, tiny_dataset, reference):
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *INPROCESS, *GRACE, "--resiliency.faults=1:5:hang_gil")
+    assert rc == 0, out[-4000:]
+    (recovered,) = events(tmp_path, "recovered")
+    assert recovered["layer"] == "injob" and recovered["fault_kind"] == "hang_gil"
+    assert recovered["recovery_s"] < 30 + 30, "hard timeout (or ft heartbeat timeout) plus a restart"
+    assert_same_weights(tmp_path, reference)
+
+
+def test_sigkill_and_oom_on_each_rank_are_recovered_in_job(tmp_path, tiny_dataset, reference):
+    faults = "0:3:sigkill,1:5:oom,1:7:sigkill,0:9:oom"
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, f"--resiliency.faults={faults}",
+                            env={"FT_MAX_RESTARTS": "4"}, timeout=240)
+    assert rc == 0, out[-4000:]
+    recovered = events(tmp_path, "recovered")
+    assert [(r["fault_kind"], r["fault_step"]) for r in recovered] == [
+        ("sigkill", 3), ("oom", 5), ("sigkill", 7), ("oom", 9)]
+    assert {r["layer"] for r in recovered} == {"injob"}
+    assert [r["attempt"] for r in recovered] == [1, 2, 3, 4]
+    assert_same_weights(tmp_path, reference)
+
+
+# Synchronous saves: torchelastic signals each worker's whole process group, which today also kills the
+# checkpoint manager's background writer (async_save=true then exits TERMINATED, 143, still retryable).
+SIGTERM_ARGS = [*GRACE, "--checkpoint.async_save=false", "--resiliency.faults=0:5:sigterm"]
+
+
+def test_sigterm_commits_a_final_checkpoint_and_a_relaunch_resumes(tmp_path, tiny_dataset, reference):
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *SIGTERM_ARGS)
+    assert rc == ExitCode.PREEMPTED, out[-4000:]
+    (preempted,) = events(tmp_path, "preempted")
+    assert (tmp_path / "checkpoints" / f"step-{preempted['step']:08d}" / "manifest.json").exists()
+    assert preempted["step"] in (5, 6)  # the step being trained when the signal landed
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *SIGTERM_ARGS)  # relaunch: the fault does not fire again
+    assert rc == 0, out[-4000:]
+    (restart,) = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
+    assert restart["layer"] == "cluster" and restart["resumed_step"] == preempted["step"]
+    assert events(tmp_path, "recovered")[0]["steps_redone"] == 0
+    assert_same_weights(tmp_path, reference)
+
+
+def test_spent_restart_budget_exits_retryable(tmp_path, tiny_dataset):
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=1:2:sigkill",
+                            env={"FT_MAX_RESTARTS": "0"})
+    assert rc == ExitCode.RESTART_BUDGET_EXHAUSTED, out[-4000:]
+    assert "ft_launcher gave up" in out
+
+
+def test_bad_config_exits_permanent_through_the_launcher(tmp_path, tiny_dataset):
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, "--checkpoint.keep=1", env={"FT_MAX_RESTARTS": "1"})
+    assert rc == ExitCode.CONFIG_ERROR, out[-4000:]
+    assert "checkpoint.keep must be >= 2" in out
+
+
+def test_unhealthy_node_exits_201(tmp_path, tiny_dataset):
+    port_dir = tmp_path / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    port_dir.mkdir(parents=True)
+    (port_dir / "state").write_text("1: DOWN\n")
+    cmd = [sys.executable, "-m", "trainer", *BASE, f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path}",
+           f"--resiliency.sysfs_root={tmp_path / 'sys'}"]
+    rc, out, _ = _run(cmd, tmp_path)
+    assert rc == ExitCode.UNHEALTHY_NODE, out[-4000:]
+    assert "InfiniBand mlx5_0 has no ACTIVE port" in out

@@ -1,0 +1,267 @@
+"""Resiliency pieces without a process group: health checks with fakes, fault specs, exit codes, ledger."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable
+from trainer.faults import FaultInjector, FaultSpec, corrupt_newest_checkpoint, parse_faults
+from trainer.health import (
+    NVML_FEATURE_ENABLED,
+    THROTTLE_HW_THERMAL,
+    GpuHealthCheck,
+    NicHealthCheck,
+    NodeUnhealthy,
+    NvLinkHealthCheck,
+    node_checks,
+)
+from trainer.ledger import Ledger, read
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# --- health checks -----------------------------------------------------------------------------------
+class FakeNVMLError(Exception):
+    pass
+
+
+class FakeNVML:
+    """The pynvml calls the checks make, with settable readings."""
+
+    NVMLError = FakeNVMLError
+
+    def __init__(self, ecc=0, pending=0, throttle=0, links=(1, 1, 0), xid=None):
+        self.ecc, self.pending, self.throttle, self.links, self.xid = ecc, pending, throttle, list(links), xid
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("gpu", index)
+
+    def nvmlEventSetCreate(self):
+        return "events"
+
+    def nvmlDeviceRegisterEvents(self, handle, types, events):
+        pass
+
+    def nvmlEventSetWait(self, events, timeout_ms):
+        if self.xid is None:
+            raise FakeNVMLError("timeout")
+        return type("Event", (), {"eventType": 0x8, "eventData": self.xid})()
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, kind, counter):
+        return self.ecc
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle):
+        return self.pending
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self.throttle
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        if link >= len(self.links):
+            raise FakeNVMLError("not supported")
+        return self.links[link]
+
+
+@pytest.mark.parametrize(
+    "reading, message",
+    [
+        (dict(ecc=3), "3 uncorrected ECC errors"),
+        (dict(pending=NVML_FEATURE_ENABLED), "retired pages pending"),
+        (dict(throttle=THROTTLE_HW_THERMAL), "thermal slowdown"),
+        (dict(xid=79), "critical XID 79"),
+    ],
+)
+def test_gpu_check_reports_each_symptom(reading, message):
+    GpuHealthCheck(0, FakeNVML())(None)  # healthy
+    with pytest.raises(NodeUnhealthy, match=message):
+        GpuHealthCheck(0, FakeNVML(**reading))(None)
+
+
+def test_nvlink_check_fails_when_an_active_link_goes_down():
+    nvml = FakeNVML(links=(1, 1, 0))
+    check = NvLinkHealthCheck(0, nvml)
+    check(None)  # baseline: links 0 and 1 active, 2 unused
+    nvml.links[2] = 0
+    check(None)
+    nvml.links[1] = 0
+    with pytest.raises(NodeUnhealthy, match=r"NVLink\(s\) \[1\] went down"):
+        check(None)
+
+
+def _fake_sysfs(root: Path, nics: dict, ib_ports: dict) -> Path:
+    for name, (state, physical) in nics.items():
+        d = root / "class" / "net" / name
+        d.mkdir(parents=True)
+        (d / "operstate").write_text(state + "\n")
+        if physical:
+            (d / "device").mkdir()
+    for hca, ports in ib_ports.items():
+        for port, state in ports.items():
+            d = root / "class" / "infiniband" / hca / "ports" / port
+            d.mkdir(parents=True)
+            (d / "state").write_text(state + "\n")
+    return root
+
+
+def test_nic_check_baseline_then_link_down(tmp_path):
+    root = _fake_sysfs(tmp_path, {"eth0": ("up", True), "lo": ("unknown", False), "veth1": ("down", False)},
+                       {"mlx5_0": {"1": "4: ACTIVE"}})
+    check = NicHealthCheck(root)
+    check(None)
+    (root / "class" / "infiniband" / "mlx5_0" / "ports" / "1" / "state").write_text("1: DOWN\n")
+    with pytest.raises(NodeUnhealthy, match=r"ib/mlx5_0/1"):
+        check(None)
+
+
+def test_nic_check_fails_at_start_without_an_active_port(tmp_path):
+    root = _fake_sysfs(tmp_path, {"eth0": ("up", True)}, {"mlx5_0": {"1": "1: DOWN", "2": "1: DOWN"}})
+    with pytest.raises(NodeUnhealthy, match="InfiniBand mlx5_0 has no ACTIVE port"):
+        NicHealthCheck(root)(None)
+    root2 = _fake_sysfs(tmp_path / "b", {"eth0": ("down", True)}, {})
+    with pytest.raises(NodeUnhealthy, match="no physical NIC is up"):
+        NicHealthCheck(root2)(None)
+
+
+def test_checks_skip_absent_hardware(tmp_path):
+    checks = node_checks(0, sysfs_root=tmp_path / "empty")  # no NVML on this machine, no sysfs entries
+    assert [type(c).__name__ for c in checks] == ["NicHealthCheck"]
+    checks[0](None)
+    GpuHealthCheck(0, nvml=None)(None)
+    NvLinkHealthCheck(0, nvml=None)(None)
+
+
+# --- fault specs -------------------------------------------------------------------------------------
+def test_fault_specs_parse():
+    assert parse_faults(["1:5:exception", " 0:8:sigkill "]) == [FaultSpec(1, 5, "exception"), FaultSpec(0, 8, "sigkill")]
+    assert parse_faults([]) == []
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("1:5", "must look like rank:step:kind, e.g. 1:5:exception"),
+        ("a:5:exception", "rank and step must be integers"),
+        ("1:0:exception", "step must be >= 1"),
+        ("1:5:explode", "unknown kind 'explode', kinds are"),
+        ("-1:5:hang", "rank must be >= 0"),
+    ],
+)
+def test_fault_spec_errors_say_what_to_change(item, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config("tiny", ["--data.path=/d", f"--resiliency.faults={item}"])
+
+
+def test_duplicate_fault_is_rejected():
+    with pytest.raises(ConfigError, match="two faults for rank 1 at step 5"):
+        parse_faults(["1:5:exception", "1:5:hang"])
+
+
+def test_fault_fires_once_per_run_dir_marker_written_first(tmp_path):
+    fired = []
+    specs = parse_faults(["0:3:exception", "1:3:exception"])
+
+    def on_fire(spec):
+        fired.append(spec)
+        assert (tmp_path / "faults" / spec.marker_name).exists(), "marker must exist before the fault fires"
+
+    injector = FaultInjector(specs, tmp_path, rank=0, checkpoint_dir=tmp_path / "ckpt", on_fire=on_fire)
+    injector.maybe_fire(2)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        injector.maybe_fire(3)
+    again = FaultInjector(specs, tmp_path, rank=0, checkpoint_dir=tmp_path / "ckpt")  # a restarted process
+    again.maybe_fire(3)
+    assert fired == [FaultSpec(0, 3, "exception")]
+
+
+def test_corrupt_checkpoint_changes_newest_committed_shard(tmp_path):
+    from trainer.checkpoint import MANIFEST, step_dir_name
+
+    for step in (2, 4):
+        d = tmp_path / step_dir_name(step)
+        d.mkdir()
+        (d / MANIFEST).write_text("{}")
+        (d / "shard-00000-of-00001.pt").write_bytes(bytes(20000))
+    (tmp_path / (step_dir_name(6) + ".tmp")).mkdir()  # not committed
+    target = corrupt_newest_checkpoint(tmp_path)
+    assert target == tmp_path / step_dir_name(4) / "shard-00000-of-00001.pt"
+    assert target.read_bytes() != bytes(20000)
+    assert (tmp_path / step_dir_name(2) / "shard-00000-of-00001.pt").read_bytes() == bytes(20000)
+
+
+# --- config rules ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--resiliency.inprocess=true", "--resiliency.collective_timeout_s=60", "--resiliency.soft_timeout_s=30",
+          "--resiliency.hard_timeout_s=40"], "collective_timeout_s (60) must be smaller than resiliency.soft_timeout_s"),
+        (["--resiliency.monitor_process_interval_s=1"], "monitor_process_interval_s (1) must be smaller than"),
+        (["--resiliency.heartbeats=maybe"], "resiliency.heartbeats must be one of"),
+    ],
+)
+def test_resiliency_config_rules(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("tiny", ["--data.path=/d", *overrides])
+
+
+# --- exit codes --------------------------------------------------------------------------------------
+def test_exit_code_classification():
+    from trainer.checkpoint import CheckpointError
+    from trainer.data import ShardError
+    from trainer.health import NodeUnhealthy as Unhealthy
+
+    assert classify(ConfigError("x")) == ExitCode.CONFIG_ERROR
+    assert classify(ShardError("x")) == ExitCode.DATA_ERROR
+    assert classify(CheckpointError("x")) == ExitCode.CHECKPOINT_ERROR
+    assert classify(ZeroDivisionError()) == ExitCode.CODE_ERROR
+    assert classify(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error")) == ExitCode.RANKS_LOST
+    try:
+        try:
+            raise Unhealthy("GPU 0: 3 uncorrected ECC errors")
+        except Unhealthy as inner:
+            raise RuntimeError("wrapper gave up") from inner
+    except RuntimeError as outer:
+        assert classify(outer) == ExitCode.UNHEALTHY_NODE
+    assert classify(TrainerExit(ExitCode.PREEMPTED, "x")) == ExitCode.PREEMPTED
+    permanent = [ExitCode.CODE_ERROR, ExitCode.CONFIG_ERROR, ExitCode.DATA_ERROR, ExitCode.CHECKPOINT_ERROR]
+    assert all(1 <= c <= 127 and not is_retryable(c) for c in permanent)
+    retryable = [ExitCode.RESTART_BUDGET_EXHAUSTED, ExitCode.UNHEALTHY_NODE, ExitCode.PREEMPTED, ExitCode.RANKS_LOST]
+    assert all(is_retryable(c) for c in retryable)
+
+
+def test_entrypoint_rejects_arguments_ft_launcher_would_swallow():
+    result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny", "--ft"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == ExitCode.CONFIG_ERROR
+    assert "unsupported trainer argument '--ft'" in result.stderr
+    result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"],
+                            capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "FT_MAX_RESTARTS": "x"})
+    assert result.returncode == ExitCode.CONFIG_ERROR and "FT_MAX_RESTARTS must be a non-negative integer" in result.stderr
+
+
+# --- ledger ------------------------------------------------------------------------------------------
+def test_ledger_records_restart_recovery_and_goodput(tmp_path, monkeypatch):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"event": "step", "step": s, "step_time_s": 0.5}) + "\n"
+                               for s in (1, 2, 3, 4, 3, 4, 5, 6)))
+    ledger = Ledger(tmp_path, rank=0)
+    ledger.on_train_start(iteration=0, resumed_step=0)
+    Ledger(tmp_path, rank=1).fault("exception", 5)
+    ledger.on_train_start(iteration=1, resumed_step=2)
+    ledger.on_step_end(3)
+    ledger.on_step_end(4)
+    summary = ledger.summarize(6)
+    records = read(tmp_path / "recovery.jsonl")
+    assert [r["event"] for r in records] == ["start", "fault", "restart", "recovered", "summary"]
+    restart, recovered = records[2], records[3]
+    assert restart["layer"] == "inprocess" and restart["fault"]["kind"] == "exception"
+    assert recovered["steps_redone"] == 2 and recovered["step"] == 3 and recovered["recovery_s"] >= 0
+    assert summary["productive_s"] == pytest.approx(3.0)  # 6 kept steps x 0.5 s, the redone 3 and 4 once
+    assert summary["by_layer"] == {"inprocess": 1, "injob": 0, "cluster": 0}
+    assert 0 < summary["goodput"]

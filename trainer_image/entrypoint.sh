@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Training pod entrypoint: the one place ft_launcher's flags live.
+#
+#   entrypoint.sh --config tiny --data.path=/data --train.run_dir=/runs/x [--section.key=value ...]
+#
+# Reads the rendezvous environment PyTorchJob injects (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+# PET_MASTER_ADDR / MASTER_ADDR, PET_MASTER_PORT / MASTER_PORT), with local defaults (1 node, 2 workers or
+# NPROC_PER_NODE, 127.0.0.1:29500), and runs `ft_launcher ... -m trainer "$@"` (in-job restart layer).
+#
+# Knobs (environment; the trainer checks the ones that must nest with its own config):
+#   FT_MAX_RESTARTS                     in-job restart budget (worker-group restarts), default 3
+#   FT_INITIAL_RANK_HEARTBEAT_TIMEOUT   s until the first heartbeat: start-up + checkpoint load, default 1800
+#   FT_RANK_HEARTBEAT_TIMEOUT           s between heartbeats until learned from observed steps and saves;
+#                                       must exceed resiliency.hard_timeout_s + termination_grace_s (the
+#                                       in-process layer acts first), default 300
+#   FT_TERM_TIMEOUT                     s from a forwarded SIGTERM to SIGKILL; must exceed
+#                                       resiliency.preemption_grace_s (final checkpoint), default 60
+#   FT_WORKERS_STOP_TIMEOUT             s from SIGTERM to SIGKILL when stopping workers to restart, default 15
+#   FT_WORKLOAD_CHECK_INTERVAL          s between rank-monitor checks, default 5
+#   FT_RESTART_POLICY                   any-failed (default) or min-healthy
+#   FT_ENABLE_NIC_MONITOR               True/False; default True only where an NVIDIA driver is present
+#
+# Exit codes (trainer/exitcodes.py): ft_launcher itself exits 1 for every failure, so this script does not
+# `exec` it: it runs it as a child (forwarding SIGTERM/SIGINT, so preemption reaches the launcher, which
+# forwards it to the workers) and maps the outcome from the exit codes the workers recorded in
+# $TRAINER_EXIT_CODE_DIR (last in-job attempt only):
+#   a worker committed its final checkpoint after SIGTERM  -> 202 PREEMPTED        (retryable)
+#   SIGTERM received, no final checkpoint reported         -> 143 TERMINATED       (retryable)
+#   ft_launcher succeeded                                  -> 0
+#   a worker exited with a permanent code (1-127)          -> that code            (permanent)
+#   a worker reported an unhealthy node                    -> 201 UNHEALTHY_NODE   (retryable)
+#   anything else: ft_launcher gave up after max restarts  -> 200 RESTART_BUDGET_EXHAUSTED (retryable)
+set -uo pipefail
+
+readonly OK=0 CONFIG_ERROR=2 TERMINATED=143 RESTART_BUDGET_EXHAUSTED=200 UNHEALTHY_NODE=201 PREEMPTED=202
+
+log() { printf 'entrypoint: %s\n' "$*" >&2; }
+
+require_int() {  # name value
+  if ! [[ "$2" =~ ^[0-9]+$ ]]; then
+    log "$1 must be a non-negative integer; got '$2'"
+    exit "$CONFIG_ERROR"
+  fi
+}
+
+nnodes="${PET_NNODES:-1}"
+nproc="${PET_NPROC_PER_NODE:-${NPROC_PER_NODE:-2}}"
+node_rank="${PET_NODE_RANK:-0}"
+master_addr="${PET_MASTER_ADDR:-${MASTER_ADDR:-127.0.0.1}}"
+master_port="${PET_MASTER_PORT:-${MASTER_PORT:-29500}}"
+max_restarts="${FT_MAX_RESTARTS:-3}"
+initial_hb="${FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:-1800}"
+rank_hb="${FT_RANK_HEARTBEAT_TIMEOUT:-300}"
+term_timeout="${FT_TERM_TIMEOUT:-60}"
+workers_stop_timeout="${FT_WORKERS_STOP_TIMEOUT:-15}"
+check_interval="${FT_WORKLOAD_CHECK_INTERVAL:-5}"
+restart_policy="${FT_RESTART_POLICY:-any-failed}"
+rdzv_id="${FT_RDZV_ID:-resilient-train}"
+if [[ -n "${FT_ENABLE_NIC_MONITOR:-}" ]]; then
+  nic_monitor="$FT_ENABLE_NIC_MONITOR"
+elif [[ -e /proc/driver/nvidia/version ]]; then
+  nic_monitor=True
+else
+  nic_monitor=False  # CPU host: no NVML, no GPU-to-NIC map
+fi
+
+[[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]] || { log "PET_NNODES must be N or MIN:MAX; got '$nnodes'"; exit "$CONFIG_ERROR"; }
+for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:$master_port" \
+            "FT_MAX_RESTARTS:$max_restarts" "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:$initial_hb" \
+            "FT_RANK_HEARTBEAT_TIMEOUT:$rank_hb" "FT_TERM_TIMEOUT:$term_timeout" \
+            "FT_WORKERS_STOP_TIMEOUT:$workers_stop_timeout" "FT_WORKLOAD_CHECK_INTERVAL:$check_interval"; do
+  require_int "${pair%%:*}" "${pair#*:}"
+done
+case "$restart_policy" in any-failed|min-healthy) ;; *)
+  log "FT_RESTART_POLICY must be any-failed or min-healthy; got '$restart_policy'"; exit "$CONFIG_ERROR" ;;
+esac
+if (( initial_hb < rank_hb )); then
+  log "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT ($initial_hb) must be >= FT_RANK_HEARTBEAT_TIMEOUT ($rank_hb): it also covers start-up and checkpoint load"
+  exit "$CONFIG_ERROR"
+fi
+
+# ft_launcher's argparse prefix-matches options even after the module name (`--ft` would be taken as an
+# ambiguous launcher option). Trainer options are --config/--help-config/--print-config or dotted
+# --section.key[=value]; no launcher option contains a dot, so only those forms are passed through.
+for arg in "$@"; do
+  if [[ "$arg" == --* ]]; then
+    key="${arg%%=*}"
+    if [[ "$key" != *.* && "$key" != --config && "$key" != --help-config && "$key" != --print-config ]]; then
+      log "unsupported trainer argument '$arg': use --config, --help-config, --print-config or --section.key=value"
+      exit "$CONFIG_ERROR"
+    fi
+  fi
+done
+
+exit_dir="$(mktemp -d "${TMPDIR:-/tmp}/trainer-exit.XXXXXX")" || exit "$RESTART_BUDGET_EXHAUSTED"
+trap 'rm -rf -- "$exit_dir"' EXIT
+export TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
+export PYTHONUNBUFFERED=1
+
+launcher=(
+  "${FT_LAUNCHER:-ft_launcher}"
+  --nnodes "$nnodes"
+  --nproc-per-node "$nproc"
+  --node-rank "$node_rank"
+  --rdzv-backend c10d
+  --rdzv-endpoint "$master_addr:$master_port"
+  --rdzv-id "$rdzv_id"
+  --max-restarts "$max_restarts"
+  --term-timeout "$term_timeout"
+  --workers-stop-timeout "$workers_stop_timeout"
+  --monitor-interval 1
+  --ft-initial-rank-heartbeat-timeout "$initial_hb"
+  --ft-rank-heartbeat-timeout "$rank_hb"
+  --ft-workload-check-interval "$check_interval"
+  --ft-restart-policy "$restart_policy"
+  --ft-enable-nic-monitor "$nic_monitor"
+  -m trainer "$@"
+)
+
+preempted=0
+forward() {  # $1: signal name
+  [[ "$1" == TERM ]] && preempted=1
+  [[ -n "${launcher_pid:-}" ]] && kill -s "$1" "$launcher_pid" 2>/dev/null
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+
+log "ft_launcher: ${nnodes} node(s) x ${nproc} worker(s), node rank ${node_rank}, rendezvous ${master_addr}:${master_port}, max restarts ${max_restarts}"
+"${launcher[@]}" &
+launcher_pid=$!
+rc=0
+while :; do
+  wait "$launcher_pid"
+  rc=$?
+  kill -0 "$launcher_pid" 2>/dev/null || break  # wait returned for a trapped signal: keep waiting
+done
+
+# The workers' codes of the last in-job attempt ("<attempt> <code>" per rank).
+last_attempt=-1
+for f in "$exit_dir"/rank-*; do
+  [[ -f "$f" ]] || continue
+  read -r attempt code < "$f" || continue
+  (( attempt > last_attempt )) && last_attempt=$attempt
+done
+codes=()
+for f in "$exit_dir"/rank-*; do
+  [[ -f "$f" ]] || continue
+  read -r attempt code < "$f" || continue
+  (( attempt == last_attempt )) && codes+=("$code")
+done
+
+final=$RESTART_BUDGET_EXHAUSTED
+reason="ft_launcher gave up (exit ${rc}) after at most ${max_restarts} in-job restarts"
+permanent=""
+for code in "${codes[@]}"; do
+  if (( code >= 1 && code <= 127 )) && [[ -z "$permanent" ]]; then permanent=$code; fi
+done
+if [[ " ${codes[*]} " == *" $PREEMPTED "* ]]; then
+  final=$PREEMPTED; reason="preempted: the final checkpoint was committed"
+elif (( preempted )); then
+  final=$TERMINATED; reason="SIGTERM received; no final checkpoint was reported"
+elif (( rc == 0 )); then
+  final=$OK; reason="training finished"
+elif [[ -n "$permanent" ]]; then
+  final=$permanent; reason="a worker exited with permanent code ${permanent}"
+elif [[ " ${codes[*]} " == *" $UNHEALTHY_NODE "* ]]; then
+  final=$UNHEALTHY_NODE; reason="a worker found this node unhealthy"
+fi
+log "ft_launcher exit ${rc}; workers' codes (attempt ${last_attempt}): ${codes[*]:-none}; exiting ${final}: ${reason}"
+exit "$final"

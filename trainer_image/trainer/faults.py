@@ -1,0 +1,202 @@
+"""Deterministic fault injection for resiliency tests and drills (off by default).
+
+``--resiliency.faults=1:5:exception,0:8:sigkill`` fires fault ``kind`` on global rank ``rank`` at the start
+of step ``step`` (before its forward pass, so that step is not completed). Each fault fires **once per run
+directory**: a marker file ``<run_dir>/faults/<rank>-<step>-<kind>`` is written (and fsynced) *before* the
+fault fires, so neither an in-process restart, an in-job restart nor a relaunch fires it again.
+
+Kinds:
+
+- ``exception``: raise ``InjectedFault`` (a ``RuntimeError``): recoverable in-process.
+- ``hang``: sleep forever in a ``time.sleep`` loop; the GIL is released, so NVRx can interrupt it.
+- ``hang_gil``: sleep forever inside a C call made with the GIL held (``ctypes.PyDLL``), with SIGTERM and
+  SIGINT blocked: models a rank stuck in a driver call. Only termination (hard timeout, heartbeat
+  timeout) ends it.
+- ``sigkill``: ``SIGKILL`` this process.
+- ``oom``: exit as the kernel OOM killer would: log, then ``SIGKILL`` self (exit status 137 / -9).
+- ``sigterm``: preemption drill: ``SIGTERM`` the pod's entrypoint (``TRAINER_ENTRYPOINT_PID``, as a
+  Kubernetes eviction does; it forwards to ft_launcher, which forwards to every worker), else the launcher
+  (the parent under torchrun), else this process.
+- ``corrupt_checkpoint``: overwrite the middle of the largest file of the newest committed checkpoint
+  with random bytes (the next load must detect it and fall back), then continue training.
+
+Only the standard library is imported here (config validation parses fault specs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from trainer.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
+MARKER_DIR = "faults"
+ENTRYPOINT_PID_ENV = "TRAINER_ENTRYPOINT_PID"  # exported by entrypoint.sh
+_CORRUPT_BYTES = 4096
+
+
+class InjectedFault(RuntimeError):
+    """The ``exception`` fault kind."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    kind: str
+
+    @property
+    def marker_name(self) -> str:
+        return f"{self.rank}-{self.step}-{self.kind}"
+
+
+def parse_faults(items: list[str] | tuple[str, ...]) -> list[FaultSpec]:
+    """Parse ``rank:step:kind`` items; a ConfigError says what to change."""
+    specs: list[FaultSpec] = []
+    for item in items:
+        parts = item.strip().split(":")
+        hint = f"resiliency.faults item {item!r} must look like rank:step:kind, e.g. 1:5:exception"
+        if len(parts) != 3:
+            raise ConfigError(hint)
+        rank_s, step_s, kind = (p.strip() for p in parts)
+        try:
+            rank, step = int(rank_s), int(step_s)
+        except ValueError:
+            raise ConfigError(f"{hint}; rank and step must be integers") from None
+        if rank < 0:
+            raise ConfigError(f"{hint}; rank must be >= 0, got {rank}")
+        if step < 1:
+            raise ConfigError(f"{hint}; step must be >= 1 (steps count from 1), got {step}")
+        if kind not in KINDS:
+            raise ConfigError(f"{hint}; unknown kind {kind!r}, kinds are {list(KINDS)}")
+        spec = FaultSpec(rank, step, kind)
+        if any((s.rank, s.step) == (rank, step) for s in specs):
+            raise ConfigError(f"resiliency.faults has two faults for rank {rank} at step {step}; keep one")
+        specs.append(spec)
+    return specs
+
+
+class FaultInjector:
+    """Fires this rank's faults. ``on_fire(spec)`` runs after the marker is written, before the fault."""
+
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        run_dir: str | Path,
+        rank: int,
+        checkpoint_dir: str | Path,
+        on_fire: Callable[[FaultSpec], None] = lambda spec: None,
+    ) -> None:
+        self.specs = {s.step: s for s in specs if s.rank == rank}
+        self.marker_dir = Path(run_dir) / MARKER_DIR
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.on_fire = on_fire
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def maybe_fire(self, step: int) -> None:
+        spec = self.specs.get(step)
+        if spec is None or self.fired(spec):
+            return
+        self._write_marker(spec)
+        log.warning("injecting fault %s at step %d (pid %d)", spec.kind, step, os.getpid())
+        self.on_fire(spec)
+        FIRE[spec.kind](self)
+
+    def fired(self, spec: FaultSpec) -> bool:
+        return (self.marker_dir / spec.marker_name).exists()
+
+    def _write_marker(self, spec: FaultSpec) -> None:
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        path = self.marker_dir / spec.marker_name
+        with open(path, "w") as f:
+            f.write(f"{time.time():.3f} pid={os.getpid()}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        dir_fd = os.open(self.marker_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    # --- the faults --------------------------------------------------------------------------------------
+    def _exception(self) -> None:
+        raise InjectedFault("injected fault: exception")
+
+    def _hang(self) -> None:
+        while True:
+            time.sleep(0.1)
+
+    def _hang_gil(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
+        while True:
+            libc.sleep(3600)
+
+    def _sigkill(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _oom(self) -> None:
+        log.error("Out of memory: Killed process %d (python) (injected)", os.getpid())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _sigterm(self) -> None:
+        if os.environ.get(ENTRYPOINT_PID_ENV):  # the pod's PID 1, as a Kubernetes eviction does
+            target = int(os.environ[ENTRYPOINT_PID_ENV])
+        elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun / ft_launcher forward it to every worker
+            target = os.getppid()
+        else:
+            target = os.getpid()
+        os.kill(target, signal.SIGTERM)
+
+    def _corrupt_checkpoint(self) -> None:
+        target = corrupt_newest_checkpoint(self.checkpoint_dir)
+        log.warning("corrupted checkpoint file %s", target)
+
+
+FIRE: dict[str, Callable[[FaultInjector], None]] = {
+    "exception": FaultInjector._exception,
+    "hang": FaultInjector._hang,
+    "hang_gil": FaultInjector._hang_gil,
+    "sigkill": FaultInjector._sigkill,
+    "oom": FaultInjector._oom,
+    "sigterm": FaultInjector._sigterm,
+    "corrupt_checkpoint": FaultInjector._corrupt_checkpoint,
+}
+assert set(FIRE) == set(KINDS)
+
+
+def corrupt_newest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """Overwrite bytes in the middle of the largest shard of the newest committed checkpoint.
+
+    Returns the corrupted file, or None when there is no committed checkpoint yet.
+    """
+    from trainer.checkpoint import committed_steps, step_dir_name  # torch: only when this fault fires
+
+    steps = committed_steps(Path(checkpoint_dir))
+    if not steps:
+        return None
+    step_dir = Path(checkpoint_dir) / step_dir_name(steps[-1])
+    files = [f for f in step_dir.rglob("*") if f.is_file() and f.suffix == ".pt"]
+    if not files:
+        return None
+    target = max(files, key=lambda f: f.stat().st_size)
+    size = target.stat().st_size
+    with open(target, "r+b") as f:
+        f.seek(max(0, size // 2 - _CORRUPT_BYTES // 2))
+        f.write(os.urandom(min(_CORRUPT_BYTES, size)))
+        f.flush()
+        os.fsync(f.fileno())
+    return target

@@ -1,0 +1,157 @@
+"""Recovery ledger: every fault and restart of a run as JSON lines in ``<run_dir>/recovery.jsonl``.
+
+It sits beside ``metrics.jsonl`` and feeds the pipeline's HTML report. Lines are appended with one
+``write`` each (``O_APPEND``), by the rank that saw the event, from every process of every attempt.
+
+Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``pid``, ``attempt``
+(``TORCHELASTIC_RESTART_COUNT``, 0 without a launcher) and ``iteration`` (the in-process restart count)):
+
+``{"event": "start"}``
+    Rank 0, first start of a run from scratch (no checkpoint). Wall time is measured from here.
+``{"event": "fault", "kind", "step"}``
+    The faulting rank, just before an injected fault fires (``step`` is the step it interrupts).
+``{"event": "restart", "layer", "resumed_step", "fault"}``
+    Every rank, when training starts again after a fault (``pid`` shows whether the process survived): ``layer`` is the layer that recovered it:
+    ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes started by
+    ft_launcher, attempt > 0) or ``cluster`` (a new launcher: pod restart or pipeline retry, resuming from
+    a checkpoint). ``fault`` is the last unrecovered fault record, or null for a fault that was not
+    injected (its time is then unknown).
+``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone"}``
+    Rank 0, after the first productive (completed) step following a restart. ``recovery_s`` is the time
+    from the fault (or, for an uninjected fault, from the restart) to that step; ``steps_redone`` is how
+    many steps completed before the fault must be trained again (fault step - 1 - resumed step).
+``{"event": "preempted", "step"}``
+    Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
+    ``preemption`` unless an injected ``sigterm`` fault is pending).
+``{"event": "summary", "steps", "wall_s", "productive_s", "goodput", "faults", "restarts", "by_layer"}``
+    Rank 0, at the end of training. ``productive_s`` sums the step times (``metrics.jsonl``) of the steps
+    that count (the last run of each step, redone ones excluded); ``goodput = productive_s / wall_s``,
+    ``wall_s`` runs from the ``start`` record. ``by_layer`` counts restarts per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+LEDGER_FILE = "recovery.jsonl"
+METRICS_FILE = "metrics.jsonl"
+LAYERS = ("inprocess", "injob", "cluster")
+
+
+def read(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ledger (or metrics) file; a torn last line (writer killed) is skipped."""
+    records = []
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class Ledger:
+    """Appends records for one process; created once per process (survives in-process restarts)."""
+
+    def __init__(self, run_dir: str | Path, rank: int) -> None:
+        self.path = Path(run_dir) / LEDGER_FILE
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.iteration = 0
+        self._pending: dict[str, Any] | None = None  # restart awaiting its first productive step
+
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {
+            "event": event, "time": round(time.time(), 3), "rank": self.rank, "pid": os.getpid(),
+            "attempt": self.attempt, "iteration": self.iteration, **fields,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return record
+
+    def fault(self, kind: str, step: int) -> None:
+        self.write("fault", kind=kind, step=step)
+
+    def on_train_start(self, iteration: int, resumed_step: int) -> None:
+        """Called by every rank when ``train()`` (re)starts, after the checkpoint is loaded."""
+        self.iteration = iteration
+        if iteration > 0:
+            layer = "inprocess"
+        elif self.attempt > 0:
+            layer = "injob"
+        elif resumed_step > 0 or (self.rank == 0 and read(self.path)):  # a relaunch (other ranks: rank 0 wrote)
+            layer = "cluster"
+        else:
+            if self.rank == 0:
+                self.write("start")
+            return
+        fault = self._last_unrecovered_fault()
+        record = self.write("restart", layer=layer, resumed_step=resumed_step, fault=fault)
+        if self.rank == 0:
+            self._pending = record
+
+    def on_step_end(self, step: int) -> None:
+        if self._pending is None or self.rank != 0:
+            return
+        restart, self._pending = self._pending, None
+        fault = restart["fault"]
+        since = fault["time"] if fault else restart["time"]
+        redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault else None
+        self.write(
+            "recovered", layer=restart["layer"], step=step,
+            fault_kind=fault["kind"] if fault else None, fault_step=fault["step"] if fault else None,
+            recovery_s=round(time.time() - since, 3), steps_redone=redone,
+        )
+
+    def summarize(self, steps: int) -> dict[str, Any] | None:
+        if self.rank != 0:
+            return None
+        records = read(self.path)
+        starts = [r["time"] for r in records if r["event"] == "start"]
+        t0 = starts[0] if starts else min((r["time"] for r in records), default=time.time())
+        wall = time.time() - t0
+        productive = productive_seconds(self.run_dir / METRICS_FILE, steps)
+        restarts = [r for r in records if r["event"] == "restart" and r["rank"] == 0]
+        by_layer = {layer: sum(r["layer"] == layer for r in restarts) for layer in LAYERS}
+        return self.write(
+            "summary", steps=steps, wall_s=round(wall, 3), productive_s=round(productive, 3),
+            goodput=round(productive / wall, 4) if wall > 0 else None,
+            faults=sum(r["event"] == "fault" for r in records), restarts=len(restarts), by_layer=by_layer,
+        )
+
+    def _last_unrecovered_fault(self) -> dict[str, Any] | None:
+        last = None
+        for r in read(self.path):
+            if r["event"] == "fault" and r.get("kind") != "corrupt_checkpoint":  # not a crash
+                last = r
+            elif r["event"] == "preempted" and last is None:  # a real SIGTERM: the interrupted step is next
+                last = {**r, "kind": "preemption", "step": r["step"] + 1}
+            elif (r["event"] == "restart" and r["rank"] == self.rank and r.get("fault") and last
+                  and r["fault"]["time"] == last["time"]):
+                last = None
+        return last
+
+
+def productive_seconds(metrics_path: Path, steps: int) -> float:
+    """Sum of step times of the last run of each step 1..steps (a metrics line covering N steps counts N)."""
+    last: dict[int, dict[str, Any]] = {}
+    for r in read(metrics_path):
+        if r.get("event") == "step" and r.get("step", 0) <= steps:
+            last[r["step"]] = r
+    total, prev = 0.0, 0
+    for step in sorted(last):
+        total += last[step]["step_time_s"] * (step - prev)
+        prev = step
+    return total

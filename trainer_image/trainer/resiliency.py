@@ -1,0 +1,416 @@
+"""The recovery layers composed around the restartable ``train()``; the only trainer module (with
+``checkpoint``) that imports NVRx.
+
+Layers, each switchable from ``[resiliency]`` config, each a null object when off, so the same loop runs
+under plain ``torchrun``, under ``ft_launcher`` (``entrypoint.sh``), with or without the Wrapper:
+
+1. **in-process** (``resiliency.inprocess``): NVRx ``inprocess.Wrapper`` restarts ``train()`` in the same
+   processes on an exception or a hang (soft timeout). Each restart rebuilds the process group from
+   ``PrefixStore(str(call_wrapper.iteration), base_store)`` and reloads the latest state (the checkpoint
+   manager's in-memory copy when it is current, else disk). ``call_wrapper.ping()`` every step; the
+   checkpoint save runs under ``call_wrapper.atomic()``. On CPU/gloo a blocked collective cannot be
+   aborted (``AbortTorchDistributed`` is NCCL-only), so config requires the gloo timeout below the soft
+   timeout. ``FaultCounter`` + node health checks decide whether a rank may restart; beyond
+   ``inprocess_max_restarts`` the process exits RESTART_BUDGET_EXHAUSTED.
+   Stores: under a torchelastic agent (torchrun, ft_launcher) both the Wrapper's store and the training
+   ``base_store`` are clients of the agent's store on ``MASTER_PORT`` (no rank hosts a store, so the hard
+   timeout killing rank 0 does not take the job down), under a per-attempt key prefix (the agent store
+   outlives in-job restarts). Without an agent, rank 0 hosts them on ``MASTER_PORT + 1`` and ``+ 2``.
+2. **in-job** (``resiliency.heartbeats``): NVRx ``RankMonitorClient`` heartbeats to ``ft_launcher``'s rank
+   monitors every step (a null object when ``FT_RANK_MONITOR_IPC_SOCKET`` is unset). Timeouts are
+   computed from observed intervals (``calculate_and_set_hb_timeouts``) once a checkpoint save has been
+   observed, never below the in-process hard timeout (layers nest outward), and persisted in the
+   checkpoint as ``state["ft"]``. With both layers on, NVRx's nested-restarter callbacks tell the launcher
+   about in-process restarts.
+3. **cluster**: when a budget is spent, the node is unhealthy or the pod is preempted, the process exits
+   with the retryable codes of ``trainer.exitcodes`` and the PyTorchJob / pipeline retry restarts it.
+
+Plus: SIGTERM (preemption) handling, fault injection (``trainer.faults``), the recovery ledger
+(``trainer.ledger``) and node health checks (``trainer.health``).
+"""
+
+# No ``from __future__ import annotations``: NVRx injects the CallWrapper by the evaluated annotation.
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import ConfigError, JobConfig
+from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable, record_exit
+from trainer.faults import FaultInjector, parse_faults
+from trainer.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+TERM_TIMEOUT_ENV = "TRAINER_TERM_TIMEOUT_S"  # exported by entrypoint.sh: ft_launcher's --term-timeout
+WRAPPER_STORE_PORT_OFFSET = 1  # without a torchelastic agent: the Wrapper's store on MASTER_PORT + 1
+BASE_STORE_PORT_OFFSET = 2  # ... and the training base store on MASTER_PORT + 2
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
+BARRIER_MARGIN_S = 30.0  # Wrapper barriers wait this much beyond hard timeout + termination grace
+INJOB_MARGIN_S = 10.0  # launcher heartbeat timeouts stay this much above the in-process hard timeout
+SAVES_BEFORE_TIMEOUT_CALC = 2  # compute heartbeat timeouts once an interval containing a save was seen
+
+
+# --- in-job layer: heartbeats -------------------------------------------------------------------------
+class NullHeartbeat:
+    """No ft_launcher: nothing to tell. Its (empty) state still goes into the checkpoint as ``ft``."""
+
+    active = False
+
+    def start(self) -> None: ...
+    def beat(self) -> None: ...
+    def on_save(self) -> None: ...
+    def stop(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Heartbeat(NullHeartbeat):
+    """NVRx ``RankMonitorClient``: a heartbeat per step; timeouts learned from observed intervals."""
+
+    active = True
+
+    def __init__(self, floor_s: float | None) -> None:
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+        self.client = RankMonitorClient()
+        self.floor_s = floor_s  # in-process hard timeout + margin when the Wrapper is on
+        self.saves = 0
+
+    def start(self) -> None:
+        """(Re)connect to this rank's monitor; per in-process iteration, as NVRx's nested example does."""
+        if self.client.is_initialized:
+            self.client.shutdown_workload_monitoring()
+        self.client.init_workload_monitoring()
+        configured = self.client.cfg.rank_heartbeat_timeout
+        if self.floor_s is not None and configured is not None and configured < self.floor_s:
+            raise ConfigError(
+                f"ft_launcher's rank heartbeat timeout ({configured:g} s) must exceed the in-process hard "
+                f"timeout plus grace ({self.floor_s:g} s), or the in-job layer kills ranks the in-process "
+                "layer is about to recover: raise FT_RANK_HEARTBEAT_TIMEOUT (entrypoint.sh) or lower "
+                "resiliency.hard_timeout_s"
+            )
+
+    def beat(self) -> None:
+        self.client.send_heartbeat()
+
+    def on_save(self) -> None:
+        """Called on every rank at the same step (a save step): learns timeouts (a collective)."""
+        self.saves += 1
+        if self.saves < SAVES_BEFORE_TIMEOUT_CALC:
+            return
+        if self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True):
+            timeouts = self.client.hb_timeouts
+            if self.floor_s is not None and timeouts.subsequent < self.floor_s:
+                from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+                clamped = HeartbeatTimeouts(initial=max(timeouts.initial, self.floor_s),
+                                            subsequent=self.floor_s, were_calculated=True)
+                # No public setter for an adjusted value; this is what calculate_and_set_* calls.
+                self.client._set_calculated_timeouts(new_hb_timeouts=clamped, new_section_timeouts=None)
+            log.info("in-job heartbeat timeouts: %s", self.client.hb_timeouts)
+
+    def stop(self) -> None:
+        self.client.shutdown_workload_monitoring()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.client.state_dict()) if self.client.hb_timeouts is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.client.load_state_dict(state)
+
+
+# --- preemption ---------------------------------------------------------------------------------------
+class Preemption:
+    """SIGTERM: finish the step, write a synchronous checkpoint, exit PREEMPTED within the grace period.
+
+    Ranks agree on the step with a one-element all-reduce per step (the launcher's forwarded SIGTERM
+    reaches ranks at slightly different times). A watchdog ends the process when the grace period is
+    over: PREEMPTED if the final checkpoint was committed, else TERMINATED (both retryable).
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.requested = False
+        self.committed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        log.warning("SIGTERM: final checkpoint at the end of this step (grace %.0f s)", self.grace_s)
+        threading.Thread(target=self._deadline, name="preemption-deadline", daemon=True).start()
+
+    def _deadline(self) -> None:
+        time.sleep(self.grace_s)
+        code = ExitCode.PREEMPTED if self.committed else ExitCode.TERMINATED
+        log.error("preemption grace of %.0f s is over: exiting %s", self.grace_s, code.name)
+        record_exit(code)
+        logging.shutdown()
+        os._exit(int(code))
+
+    def agreed(self, device: torch.device, world_size: int) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        if world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            self.requested = True
+            return True
+        return False
+
+
+# --- the composition ----------------------------------------------------------------------------------
+class NullFaults:
+    def maybe_fire(self, step: int) -> None: ...
+
+
+class Layers:
+    """Per-process resiliency state; built once, survives in-process restarts. The loop calls its hooks."""
+
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int, local_rank: int, device: torch.device,
+                 heartbeat: NullHeartbeat, ledger: Ledger | None, faults: Any, health: list[Any]) -> None:
+        self.cfg, self.rcfg = cfg, cfg.resiliency
+        self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
+        self.heartbeat = heartbeat
+        self.ledger = ledger
+        self.faults = faults
+        self.health = health
+        self.preemption = Preemption(cfg.resiliency.preemption_grace_s)
+        self.call_wrapper: Any = None
+
+    @classmethod
+    def create(cls, cfg: JobConfig, rank: int, world_size: int, local_rank: int,
+               device: torch.device) -> "Layers":
+        r = cfg.resiliency
+        run_dir = Path(cfg.train.run_dir)
+        ledger = Ledger(run_dir, rank)
+        specs = parse_faults(r.faults)
+        faults: Any = NullFaults()
+        if any(s.rank == rank for s in specs):
+            faults = FaultInjector(specs, run_dir, rank, cfg.checkpoint_dir,
+                                   on_fire=lambda spec: ledger.fault(spec.kind, spec.step))
+        under_ft = bool(os.environ.get(FT_SOCKET_ENV))
+        if r.heartbeats == "on" and not under_ft:
+            raise ConfigError(
+                f"resiliency.heartbeats=on needs ft_launcher ({FT_SOCKET_ENV} is unset): start through "
+                "trainer_image/entrypoint.sh, or set resiliency.heartbeats=auto"
+            )
+        if under_ft and r.heartbeats != "off":
+            term_timeout = float(os.environ.get(TERM_TIMEOUT_ENV, "inf"))
+            if r.preemption_grace_s >= term_timeout:
+                raise ConfigError(
+                    f"resiliency.preemption_grace_s ({r.preemption_grace_s:g}) must be below ft_launcher's "
+                    f"--term-timeout ({term_timeout:g} s, FT_TERM_TIMEOUT in entrypoint.sh), or the launcher "
+                    "kills ranks during their final checkpoint"
+                )
+            floor = r.hard_timeout_s + r.termination_grace_s + INJOB_MARGIN_S if r.inprocess else None
+            heartbeat: NullHeartbeat = Heartbeat(floor)
+        else:
+            heartbeat = NullHeartbeat()
+        health: list[Any] = []
+        if r.health_checks:
+            from trainer.health import node_checks
+
+            health = node_checks(local_rank, r.sysfs_root)
+        return cls(cfg, rank, world_size, local_rank, device, heartbeat, ledger, faults, health)
+
+    @classmethod
+    def null(cls) -> "Layers":
+        """Every layer off (unit tests, tools): hooks do nothing."""
+        return cls(JobConfig(), 0, 1, 0, torch.device("cpu"), NullHeartbeat(), None, NullFaults(), [])
+
+    # --- hooks called by train() / _loop() ---------------------------------------------------------------
+    @property
+    def ft_state(self) -> NullHeartbeat:
+        """Goes into the checkpointed state as ``state["ft"]`` (state_dict / load_state_dict)."""
+        return self.heartbeat
+
+    def on_loop_start(self, resumed_step: int) -> None:
+        if self.ledger is not None:
+            self.ledger.on_train_start(self.iteration, resumed_step)
+
+    def before_step(self, step: int) -> None:
+        if self.call_wrapper is not None:
+            self.call_wrapper.ping()
+        self.heartbeat.beat()
+        self.faults.maybe_fire(step)
+
+    def after_step(self, step: int, checkpointer: Any, state: dict[str, Any], saved: bool) -> None:
+        if saved:
+            self.heartbeat.on_save()
+        if self.ledger is not None:
+            self.ledger.on_step_end(step)
+        if self.preemption.agreed(self.device, self.world_size):
+            try:
+                with self.atomic():  # synchronous: returns once committed (a no-op wait if step was saved)
+                    checkpointer.save(step, state, force=True)
+            except Exception as exc:  # not permanent: the previous checkpoints are intact, resume from them
+                raise TrainerExit(ExitCode.TERMINATED, f"preempted; the final checkpoint failed: {exc}") from exc
+            self.preemption.committed = True
+            if self.ledger is not None and self.rank == 0:
+                self.ledger.write("preempted", step=step)
+            raise TrainerExit(ExitCode.PREEMPTED, f"preempted: final checkpoint of step {step} committed")
+
+    def on_train_end(self, steps: int) -> None:
+        if self.ledger is not None:
+            self.ledger.summarize(steps)
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A section the in-process restart must not interrupt (a checkpoint commit)."""
+        if self.call_wrapper is None:
+            yield
+        else:
+            with self.call_wrapper.atomic():
+                yield
+
+    @property
+    def iteration(self) -> int:
+        return self.call_wrapper.iteration if self.call_wrapper is not None else 0
+
+    def check_health(self) -> None:
+        for check in self.health:
+            check(None)
+
+
+NULL = Layers.null
+
+
+# --- running train() under the layers -----------------------------------------------------------------
+TrainFn = Callable[..., dict[str, Any]]
+
+
+def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
+    """Run ``train_fn(res, store, layers)`` under the configured layers; raises ``TrainerExit`` or the
+    exception that ended training (``exitcodes.classify`` maps it)."""
+    env = res.env
+    layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device)
+    layers.check_health()  # NodeUnhealthy -> UNHEALTHY_NODE before anything else starts
+    layers.preemption.install()
+    try:
+        if res.cfg.resiliency.inprocess:
+            return _run_inprocess(res, train_fn, layers)
+        layers.heartbeat.start()
+        return _call(train_fn, res, None, layers)
+    finally:
+        layers.heartbeat.stop()
+
+
+def _call(train_fn: TrainFn, res: Any, store: Any, layers: Layers) -> dict[str, Any]:
+    try:
+        return train_fn(res, store, layers)
+    except Exception as exc:
+        code = classify(exc)
+        if code != ExitCode.CODE_ERROR and not is_retryable(code):
+            # Permanent (config, data, checkpoint): no restart can help. TrainerExit is a BaseException,
+            # so it passes through the Wrapper instead of triggering an in-process restart.
+            raise TrainerExit(code, f"{type(exc).__name__}: {exc}") from exc
+        raise
+
+
+def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store]:
+    """(Wrapper store factory, its kwargs, training base store); see the module docstring."""
+    from nvidia_resiliency_ext.inprocess.store import StoreMixin, TCPStore
+
+    addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.setdefault("MASTER_PORT", str(_free_port())))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+        class AgentStore(dist.PrefixStore, StoreMixin):
+            """Client of the agent's store, keys prefixed per in-job attempt; no rank is critical."""
+
+            def __init__(self, port: int, prefix: str) -> None:
+                client = dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True)
+                super().__init__(prefix, client)
+
+        base = dist.PrefixStore(f"trainer/attempt_{attempt}/pg",
+                                dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True))
+        return AgentStore, {"port": port, "prefix": f"trainer/attempt_{attempt}/nvrx"}, base
+    base = dist.TCPStore(addr, port + BASE_STORE_PORT_OFFSET, world_size, is_master=rank == 0,
+                         timeout=STORE_TIMEOUT, multi_tenant=True, wait_for_workers=True, use_libuv=True)
+    return TCPStore, {"port": port + WRAPPER_STORE_PORT_OFFSET, "timeout": STORE_TIMEOUT}, base
+
+
+def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any]:
+    from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess import nested_restarter as nested
+
+    from trainer.health import NodeHealth
+
+    r, env = res.cfg.resiliency, res.env
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    store_factory, store_kwargs, base_store = _stores(env.world_size, env.rank)
+    logfile = (Path(res.cfg.train.run_dir) / "logs" / "inprocess_monitor_{rank}.log").resolve()
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    s = lambda seconds: datetime.timedelta(seconds=seconds)  # noqa: E731
+    barrier_s = r.hard_timeout_s + r.termination_grace_s + BARRIER_MARGIN_S
+    abort: Any = inprocess.abort.AbortTorchDistributed()
+    callbacks: dict[str, Any] = {}
+    if layers.heartbeat.active:  # both layers on: tell ft_launcher about in-process restarts
+        abort = inprocess.Compose(abort, nested.NestedRestarterHandlingStarting())
+        callbacks = dict(initialize=nested.NestedRestarterHandlingCompleted(),
+                         completion=nested.NestedRestarterFinalized(),
+                         terminate=nested.NestedRestarterAborted())
+    health_check = inprocess.Compose(
+        NodeHealth(layers.health), inprocess.health_check.FaultCounter(max_rank_faults=r.inprocess_max_restarts)
+    )
+
+    def restartable(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
+        if call_wrapper.iteration > r.inprocess_max_restarts:
+            raise TrainerExit(ExitCode.RESTART_BUDGET_EXHAUSTED,
+                              f"in-process restart budget spent ({r.inprocess_max_restarts} restarts)")
+        if int(os.environ["WORLD_SIZE"]) != env.world_size:
+            raise TrainerExit(ExitCode.RANKS_LOST,
+                              f"world shrank to {os.environ['WORLD_SIZE']} of {env.world_size} ranks; "
+                              "the in-job or cluster layer restarts the whole group")
+        layers.call_wrapper = call_wrapper
+        layers.heartbeat.start()
+        store = dist.PrefixStore(str(call_wrapper.iteration), base_store)
+        return _call(train_fn, res, store, layers)
+
+    wrapped = inprocess.Wrapper(
+        store_factory=store_factory,
+        store_kwargs=store_kwargs,
+        abort=abort,
+        health_check=health_check,
+        soft_timeout=s(r.soft_timeout_s),
+        hard_timeout=s(r.hard_timeout_s),
+        heartbeat_timeout=s(r.heartbeat_timeout_s),
+        barrier_timeout=s(barrier_s),
+        completion_timeout=s(barrier_s),
+        termination_grace_time=s(r.termination_grace_s),
+        monitor_process_interval=s(r.monitor_process_interval_s),
+        progress_watchdog_interval=s(r.progress_watchdog_interval_s),
+        monitor_process_logfile=str(logfile),
+        **callbacks,
+    )(restartable)
+    try:
+        return wrapped()
+    finally:
+        layers.call_wrapper = None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
