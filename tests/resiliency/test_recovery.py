@@ -174,9 +174,9 @@ def test_sigkill_and_oom_on_each_rank_are_recovered_in_job(tmp_path, tiny_datase
     assert_same_weights(tmp_path, reference)
 
 
-# Synchronous saves: torchelastic signals each worker's whole process group, which today also kills the
-# checkpoint manager's background writer (async_save=true then exits TERMINATED, 143, still retryable).
-SIGTERM_ARGS = [*GRACE, "--checkpoint.async_save=false", "--resiliency.faults=0:5:sigterm"]
+# Async saves (the default): torchelastic signals each worker's whole process group, so the checkpoint
+# writer must survive SIGTERM for the final save to commit.
+SIGTERM_ARGS = [*GRACE, "--resiliency.faults=0:5:sigterm"]
 
 
 def test_sigterm_commits_a_final_checkpoint_and_a_relaunch_resumes(tmp_path, tiny_dataset, reference):

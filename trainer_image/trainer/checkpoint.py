@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -287,11 +288,18 @@ _watchdog_started = False
 
 
 def _exit_when_orphaned() -> None:
-    """In the writer process: exit when the trainer that owns it dies (SIGKILL leaves no one to say DONE)."""
+    """In the writer process: exit when the trainer that owns it dies (SIGKILL leaves no one to say DONE).
+
+    The writer ignores SIGTERM/SIGINT: on preemption ft_launcher signals each worker's whole process group,
+    and the trainer's final checkpoint needs this writer alive to finish. It is stopped by its owner (DONE, or
+    SIGKILL) or by this watchdog when the owner is gone.
+    """
     global _watchdog_started
     if _watchdog_started:
         return
     _watchdog_started = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # FT: preemption must not kill an in-flight save
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
     def watch() -> None:
@@ -697,7 +705,7 @@ class CheckpointManager:
         if graceful and caller.process.is_alive() and not queue.get_num_unfinalized_calls():
             caller.close()  # sends DONE and joins
             return
-        caller.process.terminate()
+        caller.process.kill()  # it ignores SIGTERM (see _exit_when_orphaned)
         caller.process.join(timeout=10)
         caller.process = None  # NVRx's close()/__del__ would wait forever on a dead worker's queue
 
