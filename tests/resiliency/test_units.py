@@ -197,17 +197,25 @@ def test_corrupt_checkpoint_changes_newest_committed_shard(tmp_path):
 
 # --- config rules ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "overrides, message",
+    "flavour, overrides, message",
     [
-        (["--resiliency.inprocess=true", "--resiliency.collective_timeout_s=60", "--resiliency.soft_timeout_s=30",
-          "--resiliency.hard_timeout_s=40"], "collective_timeout_s (60) must be smaller than resiliency.soft_timeout_s"),
-        (["--resiliency.monitor_process_interval_s=1"], "monitor_process_interval_s (1) must be smaller than"),
-        (["--resiliency.heartbeats=maybe"], "resiliency.heartbeats must be one of"),
+        ("tiny", ["--resiliency.inprocess=true", "--resiliency.collective_timeout_s=60",
+                  "--resiliency.soft_timeout_s=30", "--resiliency.hard_timeout_s=40"],
+         "collective_timeout_s (60) must be smaller than resiliency.soft_timeout_s"),
+        ("1b", ["--resiliency.inprocess=true", "--resiliency.collective_timeout_s=60"],
+         "collective_timeout_s (60) must be greater than resiliency.hard_timeout_s (90) on GPU/NCCL"),
+        ("tiny", ["--resiliency.monitor_process_interval_s=1"], "monitor_process_interval_s (1) must be smaller than"),
+        ("tiny", ["--resiliency.heartbeats=maybe"], "resiliency.heartbeats must be one of"),
     ],
 )
-def test_resiliency_config_rules(overrides, message):
+def test_resiliency_config_rules(flavour, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config("tiny", ["--data.path=/d", *overrides])
+        load_config(flavour, ["--data.path=/d", *overrides])
+
+
+def test_gpu_flavours_nest_timeouts_for_nccl():
+    for flavour in ("1b", "8b"):
+        load_config(flavour, ["--data.path=/d", "--resiliency.inprocess=true"])  # no error
 
 
 # --- exit codes --------------------------------------------------------------------------------------

@@ -238,13 +238,6 @@ class ResiliencyConfig:
                 f"resiliency.progress_watchdog_interval_s ({self.progress_watchdog_interval_s:g}) must be smaller "
                 f"than resiliency.soft_timeout_s ({self.soft_timeout_s:g})"
             )
-        if self.inprocess and self.collective_timeout_s >= self.soft_timeout_s:
-            raise ConfigError(
-                f"resiliency.collective_timeout_s ({self.collective_timeout_s:g}) must be smaller than "
-                f"resiliency.soft_timeout_s ({self.soft_timeout_s:g}) when resiliency.inprocess is on: a blocked "
-                "gloo collective cannot be aborted, only timed out; lower collective_timeout_s (e.g. to "
-                f"{max(1.0, self.soft_timeout_s / 2):g}) or raise soft_timeout_s"
-            )
         if self.inprocess and self.heartbeat_timeout_s <= self.monitor_process_interval_s:
             raise ConfigError(
                 f"resiliency.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be greater than "
@@ -253,6 +246,31 @@ class ResiliencyConfig:
         from trainer.faults import parse_faults  # stdlib only
 
         parse_faults(self.faults)
+
+    def check_collective_timeout(self, backend: str) -> None:
+        """Timeouts nest differently per backend when the in-process layer is on.
+
+        gloo (CPU): a blocked gloo collective cannot be aborted, only timed out, so the collective timeout must
+        fire before the Wrapper's soft timeout. NCCL (GPU): NVRx aborts NCCL communicators itself, and the
+        NCCL watchdog would kill the whole process on a timeout, so the collective timeout must outlast the
+        Wrapper's hard timeout (the in-process layer acts first).
+        """
+        if not self.inprocess:
+            return
+        if backend == "gloo" and self.collective_timeout_s >= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.collective_timeout_s ({self.collective_timeout_s:g}) must be smaller than "
+                f"resiliency.soft_timeout_s ({self.soft_timeout_s:g}) on CPU/gloo with resiliency.inprocess on: a "
+                "blocked gloo collective cannot be aborted, only timed out; lower collective_timeout_s (e.g. to "
+                f"{max(1.0, self.soft_timeout_s / 2):g}) or raise soft_timeout_s"
+            )
+        if backend == "nccl" and self.collective_timeout_s <= self.hard_timeout_s:
+            raise ConfigError(
+                f"resiliency.collective_timeout_s ({self.collective_timeout_s:g}) must be greater than "
+                f"resiliency.hard_timeout_s ({self.hard_timeout_s:g}) on GPU/NCCL with resiliency.inprocess on: "
+                "NVRx aborts NCCL itself, while a NCCL timeout kills the process; raise collective_timeout_s "
+                f"(e.g. to {2 * self.hard_timeout_s:g})"
+            )
 
 
 @dataclass
@@ -267,6 +285,8 @@ class JobConfig:
     def validate(self) -> "JobConfig":
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        if self.train.device != "auto":  # "auto" is checked once the device is known (train.Resources)
+            self.resiliency.check_collective_timeout("nccl" if self.train.device == "cuda" else "gloo")
         return self
 
     @property

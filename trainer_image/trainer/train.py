@@ -48,6 +48,7 @@ class Resources:
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
         env = env or parallel.DistEnv.from_environ()
         device = parallel.select_device(cfg.train, env)
+        cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
         if cfg.train.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
