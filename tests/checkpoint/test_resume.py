@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import REPO, VENV_BIN, read_jsonl, torchrun
+from testlib import REPO, VENV_BIN, read_jsonl, torchrun
 from trainer.checkpoint import FAULT_ENV, CheckpointManager, committed_steps, find_valid_checkpoint, load_model_weights
 from trainer.config import load_config
 from trainer.data import ShardedTokens, TokenLoader

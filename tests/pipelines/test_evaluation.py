@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from conftest import write_script
+from pipeline_fakes import write_script
 
 from components.lib.evaluation import (
     EvaluationError, NoCheckpointError, PromotionConflict, decide, read_registry, record_id, run_evaluation,

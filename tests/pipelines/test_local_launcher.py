@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import write_script
+from pipeline_fakes import write_script
 
 from components.lib import local_launcher as ll
 from components.lib.local_launcher import (

@@ -3,7 +3,7 @@
 import json
 import re
 
-from conftest import write_run_files
+from pipeline_fakes import write_run_files
 
 from components.lib.report import read_jsonl, render_report, summarize_ledger
 

@@ -4,7 +4,7 @@ import io
 import json
 
 import pytest
-from conftest import write_run_files
+from pipeline_fakes import write_run_files
 
 from components.lib.layout import RunLayout
 from components.lib.params import PipelineParams

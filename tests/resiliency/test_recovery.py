@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from testlib import REPO, free_port
 from trainer.checkpoint import load_model_weights
 from trainer.exitcodes import ExitCode
 from trainer.ledger import read

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import read_jsonl, torchrun
+from testlib import read_jsonl, torchrun
 from trainer.checkpoint import load_model_weights
 
 pytestmark = pytest.mark.multiprocess
