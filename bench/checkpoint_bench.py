@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -90,6 +91,12 @@ def run_steps(state: dict, steps: int, start: int, device: torch.device, ckpt: C
     return time.perf_counter() - t0
 
 
+def _remove(directory: Path, env: parallel.DistEnv) -> None:
+    dist.barrier()
+    if env.is_main:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="tiny")
@@ -130,6 +137,7 @@ def main() -> None:
                    "floor_s": (nbytes / bw) if device.type == "cuda" and bw else None})
         mgr.unbind()
         mgr.close()
+        _remove(root / mode, env)  # checkpoints of a large model fill a disk quickly
     tokens = cfg.train.batch_size * cfg.data.seq_len * env.world_size * args.steps
     cfg.checkpoint.async_save = True
     mgr = CheckpointManager(cfg.checkpoint, root / "throughput", env, cfg.to_json())
@@ -140,6 +148,7 @@ def main() -> None:
                "every_steps": args.every, "steps": args.steps, "overhead_pct": 100 * (with_ckpt - base) / base})
     mgr.unbind()
     mgr.close()
+    _remove(root / "throughput", env)
     parallel.destroy_process_group()
 
 

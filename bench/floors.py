@@ -72,7 +72,7 @@ def nccl_init() -> None:
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     t0 = time.perf_counter()
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda"))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
     x = torch.ones(1, device="cuda")
     dist.all_reduce(x)
     torch.cuda.synchronize()

@@ -37,7 +37,7 @@ faulty() {  # name nproc [overrides...]: the trainer under entrypoint.sh (ft_lau
   local name=$1 n=$2; shift 2
   rm -rf "$CKPT_ROOT/$name"
   NPROC_PER_NODE=$n MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=3 \
-    timeout 560 trainer_image/entrypoint.sh --config 1b --data.path="$DATA" --train.run_dir="$OUT/$name" \
+    timeout "${FAULTY_TIMEOUT_S:-540}" trainer_image/entrypoint.sh --config 1b --data.path="$DATA" --train.run_dir="$OUT/$name" \
     --checkpoint.dir="$CKPT_ROOT/$name" --train.log_every=1 --train.compile=false \
     --resiliency.inprocess=true "$@" >"$OUT/$name.log" 2>&1
   say "$name: exit $?"
@@ -53,6 +53,7 @@ part_throughput() {
   for n in 1 $(( NGPU > 1 ? NGPU : 1 )); do
     train "tput-compile-$n" "$n" --train.steps=40 --checkpoint.interval=0 --checkpoint.async_save=false
     python3 bench/figures.py throughput "$OUT/tput-compile-$n" --skip 10 | fig
+    rm -rf "$CKPT_ROOT/tput-compile-$n"
   done
 }
 
@@ -65,13 +66,15 @@ part_recovery() {
   ensure_data
   faulty "recovery" "$NGPU" --train.steps=60 --checkpoint.interval=10 --resiliency.faults=1:25:exception,0:45:sigkill
   python3 bench/figures.py recovery "$OUT/recovery" | fig
+  rm -rf "$CKPT_ROOT/recovery"
 }
 
 part_goodput() {
   ensure_data
-  # ~9 minutes of steps at ~0.4 s (eager, 2 GPUs); faults at a quarter and at half of the run.
-  faulty "goodput" "$NGPU" --train.steps="${GOODPUT_STEPS:-1250}" --checkpoint.interval=100 \
-    --resiliency.faults="1:300:exception,0:600:sigkill"
+  # ~8 minutes of steps at ~0.4 s (eager, 2 GPUs); faults mid-way between checkpoints, a third and two
+  # thirds into the run.
+  faulty "goodput" "$NGPU" --train.steps="${GOODPUT_STEPS:-950}" --checkpoint.interval=100 \
+    --resiliency.faults="1:350:exception,0:650:sigkill"
   python3 bench/figures.py recovery "$OUT/goodput" | fig
 }
 

@@ -1,9 +1,7 @@
 """``evaluate_checkpoint`` (val loss, perplexity, HTML report, promotion gate) and ``promote``."""
 
-from typing import NamedTuple
-
 from kfp import dsl
-from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
 
 from components.lib.params import DEFAULT_IMAGE
 
@@ -12,15 +10,17 @@ from components.lib.params import DEFAULT_IMAGE
 def evaluate_checkpoint(
     checkpoint: Input[Model], dataset: Input[Dataset], run_id: str, workdir: str, model: str,
     promoted_registry: str, eval_batch_size: int, eval_max_batches: int, min_improvement: float,
-    metrics: Output[Metrics], report: Output[HTML],
-) -> NamedTuple("GateOutputs", [("promote", bool), ("reason", str), ("current_id", str), ("candidate", str)]):
+    metrics: Output[Metrics], report: Output[HTML], decision: Output[Artifact],
+) -> bool:
     """Evaluate the newest valid checkpoint on the validation split; gate its promotion.
 
-    ``promote`` is True when it beats the promoted model (compared on the same tokenizer and validation
-    data); ``candidate`` is the JSON record ``promote`` writes; ``current_id`` the record it replaces.
+    Returns True when it beats the promoted model (compared on the same tokenizer and validation data).
+    ``decision`` holds, as JSON, the ``reason``, the ``candidate`` record ``promote`` writes and the
+    ``current_id`` of the record it replaces (reason and current_id also in its metadata, for the UI).
+    The gate is the single return value because ``kfp.local`` resolves a condition on a component's
+    ``Output`` channel but not on a named output of a NamedTuple.
     """
     import json
-    from collections import namedtuple
 
     from components.lib.evaluation import evaluate_and_gate
     from components.lib.layout import RunLayout
@@ -40,22 +40,27 @@ def evaluate_checkpoint(
     with open(report.path, "w") as f:
         f.write(outcome.report_html)
     print(f"[eval] step {r['step']}: val loss {r['val_loss']:.4f}, perplexity {r['perplexity']:.2f}; {d.reason}")
-    outputs = namedtuple("GateOutputs", ["promote", "reason", "current_id", "candidate"])
-    return outputs(d.promote, d.reason, d.current_id, json.dumps(outcome.candidate, sort_keys=True))
+    with open(decision.path, "w") as f:
+        json.dump({"promote": d.promote, "reason": d.reason, "current_id": d.current_id,
+                   "candidate": outcome.candidate}, f, sort_keys=True)
+    decision.metadata.update({"promote": d.promote, "reason": d.reason, "current_id": d.current_id})
+    return d.promote
 
 
 @dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
-def promote(candidate: str, current_id: str, workdir: str, model: str, promoted_registry: str) -> str:
-    """Record the candidate as the promoted model, unless another run promoted one since the gate."""
+def promote(decision: Input[Artifact], workdir: str, model: str, promoted_registry: str) -> str:
+    """Record the gate's candidate as the promoted model, unless another run promoted one since the gate."""
     import json
 
     from components.lib.evaluation import PromotionConflict, write_registry
     from components.lib.params import registry_location
 
     registry = registry_location(promoted_registry, workdir, model)
-    record = json.loads(candidate)
+    with open(decision.path) as f:
+        gate = json.load(f)
+    record = gate["candidate"]
     try:
-        path = write_registry(registry, record, expected_current=current_id)
+        path = write_registry(registry, record, expected_current=gate["current_id"])
     except PromotionConflict as exc:
         print(f"[promote] not promoted: {exc}")
         return f"not promoted: {exc}"

@@ -119,9 +119,10 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
                 min_improvement=min_improvement))
             gate.set_caching_options(False).set_display_name("evaluate checkpoint")
 
-            with dsl.If(gate.outputs["promote"] == True, name="better-than-promoted"):  # noqa: E712 - KFP DSL
-                record = on_cluster(promote(candidate=gate.outputs["candidate"],
-                                            current_id=gate.outputs["current_id"], workdir=workdir, model=model,
+            # The gate is evaluate_checkpoint's return value ("Output"): kfp.local resolves a condition on
+            # a task's Output channel, not on a NamedTuple field.
+            with dsl.If(gate.outputs["Output"] == True, name="better-than-promoted"):  # noqa: E712 - KFP DSL
+                record = on_cluster(promote(decision=gate.outputs["decision"], workdir=workdir, model=model,
                                             promoted_registry=promoted_registry))
                 record.set_caching_options(False).set_display_name("promote model")
 

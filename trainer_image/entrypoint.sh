@@ -119,7 +119,9 @@ launcher=(
 
 preempted=0
 forward() {  # $1: signal name
-  [[ "$1" == TERM ]] && preempted=1
+  # The marker tells the workers this SIGTERM is a preemption (final checkpoint), not ft_launcher stopping
+  # them for an in-job restart (exit at once). Written before the signal is forwarded.
+  [[ "$1" == TERM ]] && { preempted=1; : > "$exit_dir/preempting"; }
   [[ -n "${launcher_pid:-}" ]] && kill -s "$1" "$launcher_pid" 2>/dev/null
 }
 trap 'forward TERM' TERM

@@ -77,7 +77,10 @@ def test_exit_handler_cleans_up_after_the_whole_run(compiled):
     inner = tasks(compiled[1])
     assert {"validate-params", "data-prep", "train", "evaluate-checkpoint", "condition-2"} <= set(inner)
     assert inner["condition-2"]["triggerPolicy"]["condition"] == \
-        "inputs.parameter_values['pipelinechannel--evaluate-checkpoint-promote'] == true"
+        "inputs.parameter_values['pipelinechannel--evaluate-checkpoint-Output'] == true"
+    # promote reads the gate's candidate and current_id from its decision artifact
+    assert inner["promote"]["inputs"]["artifacts"]["decision"] == \
+        {"componentInputArtifact": "pipelinechannel--evaluate-checkpoint-decision"}
 
 
 def test_kubernetes_config_where_it_belongs(compiled):

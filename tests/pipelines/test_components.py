@@ -1,6 +1,7 @@
 """Components through ``.python_func`` with real artifact objects (no KFP runner)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from kfp import dsl
@@ -48,12 +49,16 @@ def test_data_prep_writes_shards_to_the_run_and_the_manifest_to_the_artifact(tmp
 
 
 def test_promote_records_the_candidate_once(tmp_path):
-    candidate = json.dumps({"checkpoint_dir": "/c", "step": 5, "model": "tiny", "val_loss": 3.0})
+    candidate = {"checkpoint_dir": "/c", "step": 5, "model": "tiny", "val_loss": 3.0}
+    decision = dsl.Artifact(uri=str(tmp_path / "artifact" / "decision"))
+    Path(decision.path).parent.mkdir(parents=True)
+    Path(decision.path).write_text(json.dumps({"promote": True, "reason": "promoted: first", "current_id": "",
+                                               "candidate": candidate}))
     kw = dict(workdir=str(tmp_path), model="tiny", promoted_registry="")
-    assert promote.python_func(candidate=candidate, current_id="", **kw).startswith("promoted tiny step 5")
+    assert promote.python_func(decision=decision, **kw).startswith("promoted tiny step 5")
     assert json.loads((tmp_path / "promoted-tiny.json").read_text())["checkpoint_dir"] == "/c"
     # a second promotion based on the stale "nothing promoted" view is refused, not overwritten
-    assert promote.python_func(candidate=candidate, current_id="", **kw).startswith("not promoted")
+    assert promote.python_func(decision=decision, **kw).startswith("not promoted")
 
 
 def test_cleanup_local_is_idempotent(tmp_path):

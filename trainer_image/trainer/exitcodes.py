@@ -58,6 +58,10 @@ def is_retryable(code: int) -> bool:
 #: holding ``"<TORCHELASTIC_RESTART_COUNT> <code>"``). Set by ``entrypoint.sh``: ``ft_launcher`` itself exits
 #: 1 for every failure, so the entrypoint maps the workers' last-attempt codes onto this contract.
 EXIT_CODE_DIR_ENV = "TRAINER_EXIT_CODE_DIR"
+PREEMPTING_MARKER = "preempting"
+"""Created in ``$TRAINER_EXIT_CODE_DIR`` by ``entrypoint.sh`` when the pod itself got SIGTERM (preemption,
+eviction) before it forwards the signal. A worker that gets SIGTERM without it is being stopped by ft_launcher
+for an in-job restart: it exits at once instead of waiting for a final checkpoint its dead peer never joins."""
 
 
 def classify(exc: BaseException) -> ExitCode:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, JobConfig
-from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable, record_exit
+from trainer.exitcodes import EXIT_CODE_DIR_ENV, PREEMPTING_MARKER, ExitCode, TrainerExit, classify, is_retryable, record_exit
 from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger
 
@@ -153,6 +153,14 @@ class Preemption:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.requested:
             return
+        exit_dir = os.environ.get(EXIT_CODE_DIR_ENV)
+        if exit_dir and not os.path.exists(os.path.join(exit_dir, PREEMPTING_MARKER)):
+            # FT: ft_launcher is stopping the workers for an in-job restart (a peer died): a final checkpoint
+            # would wait for that peer until the launcher's stop timeout; the restart resumes from the last one.
+            log.warning("SIGTERM from ft_launcher (in-job restart): exiting now")
+            record_exit(ExitCode.TERMINATED)
+            logging.shutdown()
+            os._exit(int(ExitCode.TERMINATED))
         self.requested = True
         log.warning("SIGTERM: final checkpoint at the end of this step (grace %.0f s)", self.grace_s)
         threading.Thread(target=self._deadline, name="preemption-deadline", daemon=True).start()

@@ -140,10 +140,14 @@ def train(
         state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
                  "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
         checkpointer.load_latest(state)
-        return _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
+        summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     finally:
         checkpointer.unbind()  # FT: no collectives here: after a fault the process group may be broken
-        parallel.destroy_process_group()
+    # FT: only a clean finish destroys the process group here. After a fault the in-process layer aborts and
+    # destroys it; destroying a NCCL group while a peer is blocked in a collective hangs this rank before the
+    # Wrapper hears of the fault (seen on H200: the peer then waited for the soft timeout).
+    parallel.destroy_process_group()
+    return summary
 
 
 def _loop(
