@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import datetime
 import errno
 import hashlib
 import json
@@ -66,6 +67,7 @@ _ALIGN_ELEMS = 64
 """Each staged tensor starts at a multiple of this many elements inside its dtype's flat buffer."""
 _HASH_CHUNK_BYTES = 16 * 2**20
 _POLL_S = 0.005
+_COMMIT_POLL_S = 0.05  # a blocking commit polls the ranks' writers this often
 _ORPHAN_CHECK_S = 0.5
 _EXIT_ORPHANED = 3
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -511,8 +513,15 @@ class _Pending:
 class CheckpointManager:
     """Saves and restores the training state; one per process, bound to each attempt's process group."""
 
-    def __init__(self, cfg: CheckpointConfig, directory: str | Path, env: DistEnv, config_json: str) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, directory: str | Path, env: DistEnv, config_json: str,
+        coordination_timeout_s: float = 30.0,
+    ) -> None:
+        """``coordination_timeout_s`` bounds every collective the manager runs on its own gloo group (GPU runs):
+        gloo collectives cannot be aborted, so it must stay below the in-process layer's soft timeout, or a rank
+        waiting here for a failed peer could not be restarted in-process."""
         self.cfg, self.dir, self.env, self.config_json = cfg, Path(directory), env, config_json
+        self.coordination_timeout_s = coordination_timeout_s
         self._staging = _Staging()
         self._report = torch.zeros(REPORT_BYTES, dtype=torch.uint8).share_memory_()
         self._queue: AsyncCallsQueue | None = None
@@ -538,7 +547,9 @@ class CheckpointManager:
             raise CheckpointError("CheckpointManager.bind() after close()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         backend = dist.get_backend()
-        self._group = None if backend == "gloo" else dist.new_group(backend="gloo")
+        self._group = None if backend == "gloo" else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=self.coordination_timeout_s)
+        )
         self._bound = True
         self._settle_leftover()
 
@@ -711,11 +722,18 @@ class CheckpointManager:
 
     # ---- commit (collective) --------------------------------------------------------------------------------
     def _try_commit(self, blocking: bool) -> None:
-        done = self._local_done(blocking)
-        if not blocking and self.world_size > 1:
-            flag = torch.tensor([int(done)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-            done = bool(flag.item())
+        """Commit the pending save once every rank's writer finished it. Ranks agree by polling (one tiny
+        all-reduce per poll) rather than by blocking in a collective while a peer still writes: no collective
+        here waits longer than a poll, so a short coordination timeout is safe."""
+        while True:
+            done = self._local_done(blocking=False)
+            if self.world_size > 1:
+                flag = torch.tensor([int(done)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+                done = bool(flag.item())
+            if done or not blocking:
+                break
+            time.sleep(_COMMIT_POLL_S)
         if done:
             self._local_done(blocking=True)
             self._commit()

@@ -61,7 +61,12 @@ class Resources:
                 f"({dataset.vocab_size}); set --model.vocab_size=0 to take it from the dataset"
             )
         metrics = MetricsLogger(cfg.train.run_dir, enabled=env.is_main)
-        checkpointer = CheckpointManager(cfg.checkpoint, cfg.checkpoint_dir, env, config_json=cfg.to_json())
+        r = cfg.resiliency
+        checkpointer = CheckpointManager(
+            cfg.checkpoint, cfg.checkpoint_dir, env, config_json=cfg.to_json(),
+            # FT: its gloo collectives cannot be aborted: keep them below the in-process soft timeout.
+            coordination_timeout_s=min(r.collective_timeout_s, r.soft_timeout_s / 2) if r.inprocess else r.collective_timeout_s,
+        )
         return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics, checkpointer=checkpointer)
 
     def close(self) -> None:
