@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from components.lib.layout import RunLayout
+from components.lib.local_launcher import ECHO_ALL, ECHO_ENV, ECHO_PROGRESS
 from components.lib.params import PipelineParams
 from components.lib.report import LAYER_TITLES, read_jsonl, summarize_ledger
 
@@ -93,7 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", default=str(ROOT), help=f"where runs go (default {ROOT})")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--faults", default=FAULTS, help="rank:step:kind,... ('' for none)")
+    parser.add_argument("--verbose", action="store_true", help="stream the full trainer log, not only progress")
     args = parser.parse_args(argv)
+    # The local train step echoes progress and recovery events; the full log is in <run>/launcher/.
+    os.environ.setdefault(ECHO_ENV, ECHO_ALL if args.verbose else ECHO_PROGRESS)
     root = Path(args.root)
     params = demo_params(root / "work", steps=args.steps, faults=args.faults)
     print(f"[demo] tiny model, {args.steps} steps, 2 CPU processes; faults: {args.faults or 'none'}", flush=True)

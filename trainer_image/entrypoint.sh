@@ -96,6 +96,9 @@ exit_dir="$(mktemp -d "${TMPDIR:-/tmp}/trainer-exit.XXXXXX")" || exit "$RESTART_
 trap 'rm -rf -- "$exit_dir"' EXIT
 export TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
 export PYTHONUNBUFFERED=1
+# c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
+# keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 
 launcher=(
   "${FT_LAUNCHER:-ft_launcher}"

@@ -58,6 +58,15 @@ PROGRESS_EVERY_PCT = 5.0
 _STEP_LINE = re.compile(r"\bstep\s+(\d+)\s+loss\s+([-+0-9.eE]+|nan|inf)\b(?:.*?([\d,]+) tok/s)?")
 
 
+ECHO_ALL, ECHO_PROGRESS = "all", "progress"
+ECHO_ENV = "RESILIENT_TRAIN_LOG_ECHO"
+"""Environment override of ``LocalJobSpec.echo`` for local runs (the demo sets ``progress``)."""
+#: Trainer log lines that still reach stdout with ``echo="progress"``: what a person follows a recovery by.
+RECOVERY_EVENTS = re.compile(
+    r"injecting fault|restored step|fn_ex:|Worker group|entrypoint:|preempt|exit \d+ \(|CRITICAL|Traceback"
+)
+
+
 def exit_name(code: int) -> str:
     """``"202 (PREEMPTED)"``; codes 128+N without a name are reported as the signal N."""
     if code in EXIT_NAMES:
@@ -126,8 +135,13 @@ class LocalJobSpec:
     deadline_s: float | None = None
     relaunch_delay_s: float = RELAUNCH_DELAY_S
     cwd: Path | None = None
+    echo: str = ECHO_ALL
+    """``all``: every trainer log line goes to stdout (the step log); ``progress``: only progress lines and
+    recovery events (faults, restarts, exits) — the full log is in the launch's log file either way."""
 
     def __post_init__(self) -> None:
+        if self.echo not in (ECHO_ALL, ECHO_PROGRESS):
+            raise ValueError(f"echo must be {ECHO_ALL!r} or {ECHO_PROGRESS!r}; got {self.echo!r}")
         if isinstance(self.args, str):
             raise ValueError(f"args must be a list of arguments, not one string; got {self.args!r}")
         for name in ("nproc_per_node",):
@@ -250,7 +264,8 @@ class LocalLauncher:
             errors="replace", bufsize=1, env=env, cwd=spec.cwd, start_new_session=True)
         if spec.state_dir:
             _write_state(Path(spec.state_dir), proc.pid, marker)
-        reader = threading.Thread(target=self._pump, args=(proc.stdout, log_path, tail, progress), daemon=True)
+        reader = threading.Thread(target=self._pump, args=(proc.stdout, log_path, tail, progress, spec.echo),
+                                  daemon=True)
         reader.start()
         try:
             while True:
@@ -279,14 +294,16 @@ class LocalLauncher:
         code = 128 - code if code < 0 else code  # -N: killed by signal N -> 128 + N, as a shell reports it
         return code, list(tail), str(log_path) if log_path else None, time.monotonic() - began
 
-    def _pump(self, stream: TextIO, log_path: Path | None, tail: deque[str], progress: ProgressReporter) -> None:
+    def _pump(self, stream: TextIO, log_path: Path | None, tail: deque[str], progress: ProgressReporter,
+              echo: str) -> None:
         with open(log_path, "a") if log_path else contextlib.nullcontext() as log_file:
             for raw in stream:
                 line = raw.rstrip("\n")
                 tail.append(line)
                 if log_file:
                     log_file.write(line + "\n")
-                self._out.write(line + "\n")
+                if echo == ECHO_ALL or RECOVERY_EVENTS.search(line):
+                    self._out.write(line + "\n")
                 report = progress.feed(line)
                 if report:
                     self._out.write(report + "\n")

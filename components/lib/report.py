@@ -53,13 +53,18 @@ def _events(ledger: Iterable[Mapping[str, Any]], event: str) -> list[Mapping[str
     return [r for r in ledger if r.get("event") == event and r.get("layer") in LAYERS]
 
 
+def _restarts(ledger: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One ``restart`` record per recovery: every rank writes one, rank 0's stands for the group."""
+    return [r for r in _events(ledger, "restart") if r.get("rank", 0) == 0]
+
+
 def summarize_ledger(ledger: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Faults, restarts per layer, steps redone, recovery time and goodput from the recovery ledger.
 
-    Restarts are counted from ``restart`` records (one per recovery, written by rank 0); steps redone and
+    Restarts are counted from rank 0's ``restart`` records (one per recovery); steps redone and
     recovery time from the ``recovered`` records; goodput from the newest ``summary`` record.
     """
-    restarts = _events(ledger, "restart")
+    restarts = _restarts(ledger)
     recovered = _events(ledger, "recovered")
     summary = next((r for r in reversed(ledger) if r.get("event") == "summary"), {})
     return {
@@ -153,7 +158,7 @@ def recovery_spans(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                                    f"{LAYER_TITLES[r['layer']]} recovery, first productive step {r.get('step')} "
                                    f"after {took or 0:.1f} s, {r.get('steps_redone')} step(s) redone"})
     done = {(s["layer"], round(s["end"], 3)) for s in spans}
-    for r in _events(ledger, "restart"):  # a restart whose first step never completed
+    for r in _restarts(ledger):  # a restart whose first step never completed
         t = _num(r.get("time"))
         if t is not None and not any(layer == r["layer"] and end >= t for layer, end in done):
             spans.append({"layer": r["layer"], "start": t, "end": t,
@@ -228,7 +233,7 @@ def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: S
     spans = recovery_spans(ledger)
     times = [t for t in (_num(r.get("time")) for r in [*metrics, *ledger]) if t is not None]
     markers = [(s, r["layer"], f"{LAYER_TITLES[r['layer']]} restart: resumed after step {_fmt(s)}")
-               for r in _events(ledger, "restart") if (s := _num(r.get("resumed_step"))) is not None]
+               for r in _restarts(ledger) if (s := _num(r.get("resumed_step"))) is not None]
     step_recs = [r for r in metrics if r.get("event") == "step"]
     last_summary = next((r for r in reversed(metrics) if r.get("event") == "summary"), {})
     legend = "".join(f'<span style="color:{LAYER_COLOURS[k]}">&#9632; {html.escape(LAYER_TITLES[k])}</span>'

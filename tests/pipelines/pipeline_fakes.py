@@ -33,8 +33,9 @@ def write_run_files(run_dir: Path, steps: int, restarts: dict[str, int] | None =
     for layer, n in (restarts or {}).items():
         for _ in range(n):
             ledger.append({"event": "fault", "kind": "sigkill", "step": 5, "time": t, "rank": 1})
-            ledger.append({"event": "restart", "layer": layer, "resumed_step": 4, "time": t + 2, "rank": 0,
-                           "fault": {"kind": "sigkill", "step": 5, "time": t}})
+            for rank in (1, 0):  # every rank writes its restart record, as the trainer does
+                ledger.append({"event": "restart", "layer": layer, "resumed_step": 4, "time": t + 2, "rank": rank,
+                               "fault": {"kind": "sigkill", "step": 5, "time": t}})
             ledger.append({"event": "recovered", "layer": layer, "step": 5, "fault_kind": "sigkill", "fault_step": 5,
                            "recovery_s": 3.0, "steps_redone": 0, "time": t + 3, "rank": 0})
             t += 10
