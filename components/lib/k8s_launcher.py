@@ -53,6 +53,7 @@ from kubernetes.watch import Watch
 from kubernetes.watch.watch import iter_resp_lines
 
 from components.lib.pytorchjob import CONTAINER_NAME, TrainJobSpec, build_pytorchjob, to_manifest, webhook_errors
+from components.lib.signals import sigterm_raises
 
 log = logging.getLogger(__name__)
 
@@ -322,24 +323,6 @@ def _container_running(pod: k8s.V1Pod) -> bool:
     return not statuses or statuses[0].state is None or statuses[0].state.terminated is None
 
 
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into `LauncherTerminated` so cleanup runs (main thread only, where signals land)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish
-        raise LauncherTerminated("received SIGTERM (pipeline run cancelled?)")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 class PyTorchJobLauncher:
     """Submits a PyTorchJob and waits for it; see the module docstring for the guarantees."""
 
@@ -376,7 +359,7 @@ class PyTorchJobLauncher:
         started = time.monotonic()
         deadline = started + spec.active_deadline_seconds + self._t.deadline_margin_s
         tracker = _JobTracker(spec.name, spec.namespace, spec.max_cluster_restarts)
-        with _sigterm_raises():
+        with sigterm_raises(lambda: LauncherTerminated('received SIGTERM (pipeline run cancelled?)')):
             try:
                 final = self._submit(manifest, tracker)
                 if final is None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TextIO
 
 import components
+from components.lib.signals import sigterm_raises
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class LocalLauncher:
         if spec.state_dir:
             Path(spec.state_dir).mkdir(parents=True, exist_ok=True)
             kill_leftovers(spec.state_dir)  # a launcher killed hard may have left its tree running
-        with _sigterm_raises():
+        with sigterm_raises(lambda: LauncherTerminated('the train step received SIGTERM (pipeline run cancelled?)')):
             while True:
                 number = len(launches) + 1
                 self._say(f"[train] launch {number}: {entrypoint.name} with {spec.nproc_per_node} process(es), "
@@ -403,21 +404,3 @@ def kill_leftovers(state_dir: str | Path, grace_s: float = TERMINATE_GRACE_S) ->
         count = max(count, _kill_tree(pgid if same_leader else None, marker, grace_s))
     path.unlink(missing_ok=True)
     return count
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM (the pipeline run cancelled) -> `LauncherTerminated`, so the process tree is killed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise LauncherTerminated("the train step received SIGTERM (pipeline run cancelled?)")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

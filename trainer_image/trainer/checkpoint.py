@@ -46,6 +46,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from trainer.config import CheckpointConfig
 from trainer.exitcodes import ExitCode
+from trainer.fileio import sha256_file
 from trainer.parallel import DistEnv
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ REPORT_BYTES = 64 * 1024
 """Shared-memory buffer through which the writer process reports its outcome (JSON, length-prefixed)."""
 _ALIGN_ELEMS = 64
 """Each staged tensor starts at a multiple of this many elements inside its dtype's flat buffer."""
-_HASH_CHUNK_BYTES = 16 * 2**20
 _POLL_S = 0.005
 _COMMIT_POLL_S = 0.05  # a blocking commit polls the ranks' writers this often
 _ORPHAN_CHECK_S = 0.5
@@ -367,14 +367,6 @@ def _read_manifest(step_dir: Path) -> tuple[dict[str, Any] | None, str, str]:
     return manifest, "", ""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _verify_shards(step_dir: Path, manifest: dict[str, Any], ranks: range | list[int], checksums: bool) -> list[tuple[str, str]]:
     """Problems ``(reason slug, message)`` with the listed shard files: missing, wrong size, wrong sha256."""
     problems = []
@@ -388,7 +380,7 @@ def _verify_shards(step_dir: Path, manifest: dict[str, Any], ranks: range | list
             problems.append(("missing-shard", f"{path} does not exist"))
         elif path.stat().st_size != entry["bytes"]:
             problems.append(("size-mismatch", f"{path} has {path.stat().st_size} bytes, manifest says {entry['bytes']}"))
-        elif checksums and _sha256(path) != entry["sha256"]:
+        elif checksums and sha256_file(path) != entry["sha256"]:
             problems.append(("checksum-mismatch", f"{path} sha256 differs from the manifest"))
     return problems
 

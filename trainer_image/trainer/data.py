@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.fileio import HASH_CHUNK_BYTES, sha256_file
+
 #: Format identity this reader accepts (SHARDS.md); must match the writer's constants.
 FORMAT = "resilient-train.token-shards"
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-_HASH_CHUNK_BYTES = 16 * 2**20
 _FIX = "re-run data prep (python -m components.lib.tokendata) to rebuild the dataset"
 
 
@@ -38,7 +39,7 @@ def _scan_file(path: Path, dtype: np.dtype) -> tuple[str, int]:
     """Chunked pass over a shard: its sha256 hex and its largest token id (memory bounded)."""
     digest = hashlib.sha256()
     max_id = 0
-    buf = bytearray(_HASH_CHUNK_BYTES)
+    buf = bytearray(HASH_CHUNK_BYTES)
     view = memoryview(buf)
     with open(path, "rb") as f:
         while n := f.readinto(buf):
@@ -47,15 +48,6 @@ def _scan_file(path: Path, dtype: np.dtype) -> tuple[str, int]:
             if chunk.size:
                 max_id = max(max_id, int(chunk.max()))
     return digest.hexdigest(), max_id
-
-
-def _sha256_file(path: Path) -> str:
-    """sha256 hex of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class ShardedTokens:
@@ -128,7 +120,7 @@ class ShardedTokens:
         path = self.path / name
         if not path.is_file():
             raise ShardError(f"{path} is missing; {_FIX}")
-        if _sha256_file(path) != manifest.get("tokenizer_sha256"):
+        if sha256_file(path) != manifest.get("tokenizer_sha256"):
             raise ShardError(f"{path} is corrupt: its sha256 does not match the manifest; {_FIX}")
 
     def _open_shard(
