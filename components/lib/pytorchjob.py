@@ -29,6 +29,7 @@ from kubeflow.training import (
 from kubernetes import client as k8s
 
 ENTRYPOINT = "/opt/app/trainer_image/entrypoint.sh"
+IMAGE_UID = 1000  # the non-root user trainer_image/Dockerfile creates and runs as
 CONTAINER_NAME = "pytorch"  # the training-operator webhook requires this container name
 MASTER = "Master"
 WORKER = "Worker"
@@ -262,6 +263,11 @@ def _pod_template(spec: TrainJobSpec) -> k8s.V1PodTemplateSpec:
             tolerations=tolerations or None,
             service_account_name=spec.service_account,
             priority_class_name=spec.priority_class,
+            # The image runs as this non-root user (trainer_image/Dockerfile); fsGroup makes the shared volume
+            # writable for it.
+            security_context=k8s.V1PodSecurityContext(
+                run_as_non_root=True, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, fs_group=IMAGE_UID
+            ),
         ),
     )
 

@@ -233,3 +233,14 @@ def test_job_name_differs_across_runs_and_steps() -> None:
 def test_job_name_needs_run_and_step() -> None:
     with pytest.raises(ValueError, match="non-empty run_id and step"):
         job_name("", "train")
+
+
+@pytest.mark.parametrize("case", SPECS)
+def test_pods_run_as_the_images_non_root_user(case: str) -> None:
+    """The pods' securityContext matches the USER of trainer_image/Dockerfile (and is not root)."""
+    user = [line.split()[1] for line in (REPO / "trainer_image" / "Dockerfile").read_text().splitlines()
+            if line.startswith("USER ")][-1]
+    uid, gid = (int(x) for x in user.split(":"))
+    for replica in to_manifest(build_pytorchjob(SPECS[case]))["spec"]["pytorchReplicaSpecs"].values():
+        ctx = replica["template"]["spec"]["securityContext"]
+        assert ctx == {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": gid, "fsGroup": gid} and uid != 0
