@@ -21,6 +21,7 @@ Only this module and the resiliency module import NVRx.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import datetime
 import errno
@@ -538,19 +539,23 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("CheckpointManager.bind() after close()")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        backend = dist.get_backend()
-        self._group = None if backend == "gloo" else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=self.coordination_timeout_s)
-        )
+        # Its own gloo group (on CPU too, so the tests exercise the GPU path): commit polling never interleaves with
+        # training collectives, and unbind() can close it without touching the training process group.
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.coordination_timeout_s))
         self._bound = True
         self._settle_leftover()
 
     def unbind(self) -> None:
         """End of an attempt, normal or failed. No collectives (the process group may be broken): an in-flight
         write keeps running and the next ``bind()`` decides about it."""
-        # FT: runs in train()'s finally, also after a fault.
+        # FT: runs in train()'s finally, also after a fault. Destroying this rank's coordination group closes its
+        # sockets, so a peer blocked in one of the group's gloo collectives (they cannot be aborted) fails within a
+        # second instead of waiting for the timeout, and its in-process restart can begin.
         self._bound = False
-        self._group = None
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(Exception):  # the process group may already be broken
+                dist.destroy_process_group(group)
 
     def close(self) -> None:
         """Stop the background writer (idempotent; also registered with atexit). An uncommitted save is abandoned:
