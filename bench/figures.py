@@ -14,17 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+from trainer.ledger import read  # torch-free: the ledger and metrics files are JSON lines
 
 
 def emit(record: dict) -> None:
@@ -32,7 +22,7 @@ def emit(record: dict) -> None:
 
 
 def throughput(run_dir: Path, skip: int) -> None:
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = read(run_dir / "metrics.jsonl")
     start = next((r for r in records if r.get("event") == "start"), {})
     steps = [r for r in records if r.get("event") == "step" and r["step"] > skip]
     if not steps:
@@ -47,7 +37,7 @@ def throughput(run_dir: Path, skip: int) -> None:
 
 
 def recovery(run_dir: Path) -> None:
-    ledger = read_jsonl(run_dir / "recovery.jsonl")
+    ledger = read(run_dir / "recovery.jsonl")
     for r in ledger:
         if r.get("event") == "recovered":
             emit({"figure": "recovery", "run": run_dir.name, "layer": r.get("layer"), "fault": r.get("fault_kind"),
