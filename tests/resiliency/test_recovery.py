@@ -174,6 +174,19 @@ def test_sigkill_and_oom_on_each_rank_are_recovered_in_job(tmp_path, tiny_datase
     assert_same_weights(tmp_path, reference)
 
 
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_dataset, reference):
+    """The step-4 checkpoint is corrupted at step 6; a SIGKILL at step 7 (before step 6's save commits) makes the
+    restart load: it must quarantine step 4, resume from step 2, and still end bit-identical."""
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=0:6:corrupt_checkpoint,1:7:sigkill")
+    assert rc == 0, out[-4000:]
+    ckpt = tmp_path / "checkpoints"
+    assert [p.name for p in ckpt.glob("step-00000004.corrupt-*")] == ["step-00000004.corrupt-checksum-mismatch"]
+    assert "step-00000004" in out and "checksum" in out  # the loud log line names the checkpoint and the reason
+    restarts = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
+    assert [(r["layer"], r["resumed_step"]) for r in restarts] == [("injob", 2)]
+    assert_same_weights(tmp_path, reference)
+
+
 # Async saves (the default): torchelastic signals each worker's whole process group, so the checkpoint
 # writer must survive SIGTERM for the final save to commit.
 SIGTERM_ARGS = [*GRACE, "--resiliency.faults=0:5:sigterm"]
