@@ -38,7 +38,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Validation loss and perplexity of the newest valid checkpoint in ``checkpoint_dir``."""
     started = time.perf_counter()
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     path, manifest = find_valid_checkpoint(checkpoint_dir)
     step = int(manifest["step"])
     cfg = JobConfig.from_dict(manifest["config"], source=f"{path}/manifest.json (stored config)")
@@ -54,7 +56,7 @@ def evaluate(
     model.load_state_dict(weights)
     model.eval()
     total_loss, total_tokens = 0.0, 0
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     with torch.no_grad(), autocast:
         for inputs, targets in eval_batches(val, cfg.data.seq_len, batch_size, 0, 1, max_batches):
             logits = model(inputs.to(dev))

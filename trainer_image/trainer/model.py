@@ -25,9 +25,6 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).type_as(x)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
     """cos/sin tables of shape ``[seq_len, head_dim // 2, 2]`` (fp32)."""
