@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 VENV_BIN = Path(sys.executable).parent
 
 

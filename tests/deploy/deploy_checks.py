@@ -18,7 +18,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("local-dev", "gpu-cluster", "kueue")
-PYTORCHJOB_CRD = REPO.parent / "shared" / "k8s-schemas" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
+PYTORCHJOB_CRD = REPO / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
 # The oldest Kubernetes we claim to support; kubernetes-validate ships its OpenAPI schemas.
 K8S_VERSION = "1.30.0"
 

@@ -21,7 +21,7 @@ from components.lib.pytorchjob import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-CRD = REPO.parent / "shared" / "k8s-schemas" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
+CRD = REPO / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
 ARGS = ["--config", "/opt/app/trainer_image/trainer/configs/1b.toml", "--data.path=/mnt/shared/data/x",
         "--train.steps=1000", "--checkpoint.dir=/mnt/shared/ckpt/run-1"]
 
@@ -42,8 +42,7 @@ def _strict(schema: Any) -> Any:
 @pytest.fixture(scope="module")
 def validator() -> jsonschema.Validator:
     if not CRD.is_file():
-        pytest.fail(f"PyTorchJob CRD schema not found at {CRD}: the shared k8s-schemas directory must sit next "
-                    "to the repository (CI provides it)")
+        pytest.fail(f"PyTorchJob CRD schema not found at {CRD}: it ships in the repository (deploy/crds/)")
     crd = yaml.safe_load(CRD.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
