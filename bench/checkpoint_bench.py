@@ -1,19 +1,28 @@
-"""Checkpoint cost: blocking time per save (sync vs async), state bytes per rank, pinned D2H floor (GPU), and
-training throughput with and without a checkpoint every N steps, side by side in one process. JSON lines on rank 0.
+"""Checkpoint tiers' cost, side by side in one process; JSON lines on rank 0:
+
+- the pinned device-to-host floor, and the blocking time of a memory checkpoint (a snapshot into the slot;
+  its copy overlaps the next step's forward and backward) against it;
+- training throughput with no checkpoint, with a memory checkpoint every ``--every`` steps, and with every
+  ``--persist-every``-th of those also written to disk in the background;
+- loading the persisted checkpoint from disk (verified while read) against the disk's read floor, measured in
+  the same process with the page cache dropped first (root only; otherwise said in the record).
 
 CPU:  PYTHONPATH=.:trainer_image .venv/bin/python bench/checkpoint_bench.py --config tiny
-GPU:  torchrun --nproc-per-node=2 bench/checkpoint_bench.py --config 8b --train.activation_checkpointing=true
+GPU:  torchrun --nproc-per-node=1 bench/checkpoint_bench.py --config 1b --train.compile=false
 Extra arguments are config overrides (``--section.key=value``). Synthetic tokens: no dataset needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -70,10 +79,9 @@ def d2h_bandwidth(device: torch.device) -> float | None:
     return D2H_BYTES / (time.perf_counter() - start)
 
 
-def run_steps(state: dict, steps: int, start: int, device: torch.device, ckpt: CheckpointManager | None, every: int) -> float:
-    """Train ``steps`` steps; returns the seconds taken (the checkpointer saves every ``every`` steps if given).
-
-    A write still in flight at the end is not waited for: over a long run it overlaps the following steps."""
+def run_steps(state: dict, steps: int, start: int, device: torch.device, ckpt: CheckpointManager | None) -> float:
+    """Train ``steps`` steps as the trainer's loop does (the manager decides when a checkpoint is due); returns the
+    seconds taken. A write still in flight at the end is not waited for: over a long run it overlaps later steps."""
     model, optimizer, loader = state["model"], state["optimizer"], state["dataloader"]
     sync(device)
     t0 = time.perf_counter()
@@ -85,24 +93,51 @@ def run_steps(state: dict, steps: int, start: int, device: torch.device, ckpt: C
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state["progress"].step = step
-        if ckpt is not None and step % every == 0:
+        if ckpt is not None:
             ckpt.save(step, state)
     sync(device)
     return time.perf_counter() - t0
 
 
-def _remove(directory: Path, env: parallel.DistEnv) -> None:
-    dist.barrier()
-    if env.is_main:
-        shutil.rmtree(directory, ignore_errors=True)
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_floor(directory: Path) -> tuple[int, float]:
+    """Bytes and seconds to read every file under ``directory`` sequentially (one reader per file, in parallel)."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+
+    def read(path: Path) -> int:
+        n = 0
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(64 * 2**20):
+                n += len(chunk)
+        return n
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max(1, len(files))) as pool:
+        total = sum(pool.map(read, files))
+    return total, time.perf_counter() - start
+
+
+def manager(cfg, directory: Path, env: parallel.DistEnv, **overrides) -> CheckpointManager:
+    ckpt_cfg = dataclasses.replace(cfg.checkpoint, **overrides)
+    mgr = CheckpointManager(ckpt_cfg, directory, env, cfg.to_json())
+    mgr.bind()
+    return mgr
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="tiny")
-    parser.add_argument("--saves", type=int, default=5, help="saves per path (median reported)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per throughput phase")
-    parser.add_argument("--every", type=int, default=5, help="checkpoint interval of the throughput phase")
+    parser.add_argument("--steps", type=int, default=50, help="steps per throughput phase")
+    parser.add_argument("--every", type=int, default=25, help="memory checkpoint interval")
+    parser.add_argument("--persist-every", type=int, default=2, help="every N-th memory checkpoint also to disk")
     parser.add_argument("--dir", default="", help="checkpoint directory (default: a temp dir)")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, ["--data.path=synthetic", *overrides])
@@ -115,45 +150,64 @@ def main() -> None:
     model = build_model(cfg, device)
     state = {"model": model, "optimizer": build_optimizer(model, cfg.optim), "progress": TrainProgress(),
              "dataloader": SyntheticLoader(cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, device)}
-    run_steps(state, 2, 1, device, None, 0)  # warm-up; creates the optimizer state
-    emit(env, {"bench": "checkpoint", "config": args.config, "device": str(device), "world_size": env.world_size,
-               "d2h_pinned_GBps": (bw / 1e9) if (bw := d2h_bandwidth(device)) else None})
-    for mode in ("sync", "async"):
-        cfg.checkpoint.async_save = mode == "async"
-        cfg.checkpoint.interval = 1
-        mgr = CheckpointManager(cfg.checkpoint, root / mode, env, cfg.to_json())
-        mgr.bind()
-        step = 0
-        for step in range(1, args.saves + 1):
-            run_steps(state, 1, step, device, None, 0)
-            mgr.wait_for_staging()
-            mgr.save(step, state)
-            mgr.wait_for_staging()
-        mgr.save(step, state, last_step=True)
-        nbytes = mgr._staging.nbytes()
-        blocking = mgr.blocking_s[:-1] if len(mgr.blocking_s) > 1 else mgr.blocking_s
-        emit(env, {"path": mode, "saves": args.saves, "blocking_s_median": statistics.median(blocking),
-                   "blocking_s_all": [round(b, 4) for b in blocking], "state_bytes_per_rank": nbytes,
-                   "floor_s": (nbytes / bw) if device.type == "cuda" and bw else None})
-        mgr.unbind()
-        mgr.close()
-        _remove(root / mode, env)  # checkpoints of a large model fill a disk quickly
+    run_steps(state, 3, 1, device, None)  # warm-up; creates the optimizer state
+    bw = d2h_bandwidth(device)
     tokens = cfg.train.batch_size * cfg.data.seq_len * env.world_size * args.steps
-    cfg.checkpoint.async_save = True
-    mgr = CheckpointManager(cfg.checkpoint, root / "throughput", env, cfg.to_json())
-    mgr.bind()
-    mgr.save(99, state, force=True)  # warm-up: this manager's staging buffers are allocated once, here
-    base = run_steps(state, args.steps, 100, device, None, 0)
-    with_ckpt = run_steps(state, args.steps, 100 + args.steps, device, mgr, args.every)
+    step = 100
+    # Memory checkpoints only: warm the slots up (allocation and pinning happen once per slot), then measure.
+    mem = manager(cfg, root / "memory", env, interval=args.every, persist_every=0, node_local=False)
+    run_steps(state, 2 * args.every, step, device, mem)
+    step += 2 * args.every
+    nbytes = mem.snapshots.slots[0].buffer.numel()
+    warm = len(mem.blocking_s)
+    base = run_steps(state, args.steps, step, device, None)
+    step += args.steps
+    with_mem = run_steps(state, args.steps, step, device, mem)
+    step += args.steps
+    blocking = mem.blocking_s[warm:]
+    emit(env, {"bench": "memory_checkpoint", "config": args.config, "device": str(device), "world_size": env.world_size,
+               "state_bytes_per_rank": nbytes, "d2h_pinned_GBps": round(bw / 1e9, 2) if bw else None,
+               "d2h_floor_s": round(nbytes / bw, 4) if bw else None,
+               "blocking_s_median": round(statistics.median(blocking), 4) if blocking else None,
+               "blocking_over_floor": round(statistics.median(blocking) / (nbytes / bw), 3) if bw and blocking else None,
+               "first_snapshots_s": [round(b, 3) for b in mem.blocking_s[:warm]],
+               "tokens_per_s_none": round(tokens / base), "tokens_per_s_memory": round(tokens / with_mem),
+               "throughput_ratio": round(base / with_mem, 4), "every_steps": args.every, "steps": args.steps})
+    mem.close(job_over=True)
+    # Memory checkpoints, every persist_every-th written to disk in the background.
+    disk = manager(cfg, root / "disk", env, interval=args.every, persist_every=args.persist_every, node_local=False)
+    run_steps(state, 2 * args.every, step, device, disk)  # warm-up: slots and the writer process
+    step += 2 * args.every
+    base = run_steps(state, args.steps, step, device, None)
+    step += args.steps
+    with_disk = run_steps(state, args.steps, step, device, disk)
+    step += args.steps
     started = time.perf_counter()
-    mgr.save(100 + 2 * args.steps, state, force=True)  # drain the last write (reported, not in the ratio)
+    disk.save(step, state, force=True)  # drain: the newest state, committed
     drain = time.perf_counter() - started
-    emit(env, {"throughput": "tokens_per_s", "without_ckpt": tokens / base, "with_async_ckpt": tokens / with_ckpt,
-               "ratio": base / with_ckpt, "every_steps": args.every, "steps": args.steps,
-               "final_drain_s": drain, "first_save_s": mgr.blocking_s[0]})
-    mgr.unbind()
-    mgr.close()
-    _remove(root / "throughput", env)
+    emit(env, {"bench": "persisted_checkpoint", "tokens_per_s_none": round(tokens / base),
+               "tokens_per_s_with_persist": round(tokens / with_disk), "throughput_ratio": round(base / with_disk, 4),
+               "every_steps": args.every, "persist_every": args.persist_every, "final_sync_save_s": round(drain, 3)})
+    disk.close(job_over=True)
+    # Loading from disk, verified while read, against the read floor (both with a cold page cache).
+    dist.barrier()
+    cold = drop_page_cache() if env.is_main else False
+    committed = root / "disk" / f"step-{step:08d}"
+    floor_bytes, floor_s = read_floor(committed)
+    cold = drop_page_cache() and cold
+    loader = manager(cfg, root / "disk", env, node_local=False)
+    started = time.perf_counter()
+    loaded = loader.load_latest(state)
+    sync(device)
+    load_s = time.perf_counter() - started
+    emit(env, {"bench": "disk_load", "step": loaded, "bytes": floor_bytes, "read_floor_s": round(floor_s, 3),
+               "read_floor_GBps": round(floor_bytes / floor_s / 1e9, 3), "load_s": round(load_s, 3),
+               "load_over_floor": round(load_s / floor_s, 3), "page_cache_dropped": cold,
+               "verify_checksums": cfg.checkpoint.verify_checksums})
+    loader.close(job_over=True)
+    dist.barrier()
+    if env.is_main:
+        shutil.rmtree(root, ignore_errors=True)  # checkpoints of a large model fill a disk quickly
     parallel.destroy_process_group()
 
 

@@ -93,7 +93,16 @@ for arg in "$@"; do
 done
 
 exit_dir="$(mktemp -d "${TMPDIR:-/tmp}/trainer-exit.XXXXXX")" || exit "$RESTART_BUDGET_EXHAUSTED"
-trap 'rm -rf -- "$exit_dir"' EXIT
+# The node-local checkpoint tier: this job's snapshot slots (trainer/checkpoint/slots.py) live in a directory of
+# the memory-backed checkpoint.node_local_dir that outlives any worker, so a respawned worker resumes from host
+# memory; it is removed when the job ends, however it ends.
+node_local_dir=/dev/shm
+for arg in "$@"; do [[ "$arg" == --checkpoint.node_local_dir=* ]] && node_local_dir="${arg#*=}"; done
+snapshot_dir=""
+if mkdir -p -- "$node_local_dir" 2>/dev/null; then
+  snapshot_dir="$(mktemp -d "$node_local_dir/resilient-train-job.XXXXXX")" && export TRAINER_SNAPSHOT_DIR="$snapshot_dir"
+fi
+trap 'rm -rf -- "$exit_dir" ${snapshot_dir:+"$snapshot_dir"}' EXIT
 export TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
 export PYTHONUNBUFFERED=1
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");

@@ -56,14 +56,21 @@ def _run(cmd, run_dir, env_extra=None, timeout=150):
     return proc.returncode, out, port
 
 
+def node_dir(run_dir):
+    """The run's node-local snapshot directory (instead of /dev/shm, so the leak check sees only this run)."""
+    return Path(f"{run_dir}-node")
+
+
 def torchrun(run_dir, dataset, *args, **kw):
     cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node=2", "--master-port={port}", "-m", "trainer", *BASE,
-           f"--data.path={dataset}", f"--train.run_dir={run_dir}", *args]
+           f"--data.path={dataset}", f"--train.run_dir={run_dir}", f"--checkpoint.node_local_dir={node_dir(run_dir)}",
+           *args]
     return _run(cmd, run_dir, **kw)
 
 
 def entrypoint(run_dir, dataset, *args, env=None, **kw):
-    cmd = [str(ENTRYPOINT), *BASE, f"--data.path={dataset}", f"--train.run_dir={run_dir}", *args]
+    cmd = [str(ENTRYPOINT), *BASE, f"--data.path={dataset}", f"--train.run_dir={run_dir}",
+           f"--checkpoint.node_local_dir={node_dir(run_dir)}", *args]
     return _run(cmd, run_dir, env_extra={**FT_ENV, **(env or {})}, **kw)
 
 
@@ -102,6 +109,8 @@ def _assert_nothing_left(run_dir, port, shm_before):
     leaked = [name for name in set(os.listdir("/dev/shm")) - shm_before
               if any(str(pid) in name for pid in _pids_in_ledger(run_dir))]
     assert not leaked, f"/dev/shm entries left: {leaked}"
+    snapshots = [str(p) for p in node_dir(run_dir).rglob("*")] if node_dir(run_dir).is_dir() else []
+    assert not snapshots, f"node-local snapshots left after the job ended: {snapshots}"
 
 
 def _pids_in_ledger(run_dir):
@@ -135,6 +144,8 @@ def test_exception_is_recovered_in_process(tmp_path, tiny_dataset, reference):
     assert {r["layer"] for r in restarts} == {"inprocess"} and {r["rank"] for r in restarts} == {0, 1}
     rank1 = next(r for r in restarts if r["rank"] == 1)
     assert rank1["pid"] == fault["pid"] and rank1["iteration"] == 1, "rank 1 must restart in the same process"
+    assert {r["tier"] for r in restarts} == {"memory"}, "an in-process restart reads no checkpoint file"
+    assert "from the memory tier (in-process restart: no file read)" in out
     (start,) = events(tmp_path, "start")
     assert next(r for r in restarts if r["rank"] == 0)["pid"] == start["pid"]
     (recovered,) = events(tmp_path, "recovered")
@@ -171,13 +182,16 @@ def test_sigkill_and_oom_on_each_rank_are_recovered_in_job(tmp_path, tiny_datase
         ("sigkill", 3), ("oom", 5), ("sigkill", 7), ("oom", 9)]
     assert {r["layer"] for r in recovered} == {"injob"}
     assert [r["attempt"] for r in recovered] == [1, 2, 3, 4]
+    restarts = events(tmp_path, "restart")
+    assert {r["tier"] for r in restarts} == {"node-local"}, "a respawned worker resumes from host memory on its node"
     assert_same_weights(tmp_path, reference)
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_dataset, reference):
     """The step-4 checkpoint is corrupted at step 6; a SIGKILL at step 7 (before step 6's save commits) makes the
     restart load: it must quarantine step 4, resume from step 2, and still end bit-identical."""
-    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=0:6:corrupt_checkpoint,1:7:sigkill")
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--checkpoint.node_local=false",  # the disk is read
+                            "--resiliency.faults=0:6:corrupt_checkpoint,1:7:sigkill")
     assert rc == 0, out[-4000:]
     ckpt = tmp_path / "checkpoints"
     assert [p.name for p in ckpt.glob("step-00000004.corrupt-*")] == ["step-00000004.corrupt-checksum-mismatch"]

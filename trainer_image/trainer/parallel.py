@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ def init_process_group(
     ``PrefixStore`` each iteration; without one the launcher's env rendezvous is used."""
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {"backend": backend_for(device), "timeout": timeout}
+    before = _socket_inodes() if device.type != "cuda" else {}
     if device.type == "cuda":
         kwargs["device_id"] = device
     if store is not None:
@@ -74,11 +76,65 @@ def init_process_group(
         dist.init_process_group(init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs)
     else:  # a single process with no launcher: a private in-memory store
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    if device.type != "cuda":  # gloo connects its full mesh at init: these are its connections to the peers
+        _GLOO_CONNECTIONS[:] = [(fd, inode) for fd, inode in _socket_inodes().items()
+                                if before.get(fd) != inode and not _is_store_connection(fd)]
 
 
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_process_group() -> None:
+    """Leave the default group at once: a peer blocked in one of its collectives fails now, not at the timeout.
+
+    On gloo a destroyed or aborted group keeps its connections open while FSDP2 still references it (measured:
+    the peer stayed blocked until the gloo timeout), so its sockets, recorded at init, are shut down first."""
+    for fd, inode in _GLOO_CONNECTIONS:
+        if _socket_inodes([fd]).get(fd) == inode:  # still the same socket (the fd was not reused)
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.detach()  # gloo still owns the descriptor
+    _GLOO_CONNECTIONS.clear()
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+_GLOO_CONNECTIONS: list[tuple[int, str]] = []
+"""(fd, socket inode) of the default gloo group's connections to its peers, recorded at init."""
+
+
+def _socket_inodes(fds: list[int] | None = None) -> dict[int, str]:
+    out = {}
+    for fd in fds if fds is not None else [int(f) for f in os.listdir("/proc/self/fd")]:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[fd] = target
+    return out
+
+
+def _is_store_connection(fd: int) -> bool:
+    """A TCPStore connection (the launcher's or the in-process layer's, on MASTER_PORT and the next ports) must
+    never be shut down; gloo's peer connections use ephemeral ports."""
+    store_ports = {int(os.environ.get("MASTER_PORT", "0")) + i for i in range(4)} - {0, 1, 2, 3}
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return True  # e.g. ft_launcher's unix-domain IPC: leave it alone
+        ports = {sock.getsockname()[1], sock.getpeername()[1]}
+    except OSError:
+        return True  # not a connected TCP socket: leave it alone
+    finally:
+        sock.detach()
+    return bool(ports & store_ports)
 
 
 def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPolicy:

@@ -154,7 +154,7 @@ def train(
         # restart beats the in-job one. NCCL is left to the in-process layer's abort (see below).
         checkpointer.unbind()
         if parallel.backend_for(device) == "gloo":
-            parallel.destroy_process_group()
+            parallel.abort_process_group()
         raise
     finally:
         checkpointer.unbind()  # FT: no collectives here: after a fault the process group may be broken
