@@ -57,9 +57,11 @@ part_throughput() {
   done
 }
 
-part_checkpoint() {
-  timeout 400 torchrun --standalone --nproc-per-node "$NGPU" bench/checkpoint_bench.py --config 1b \
-    --saves 3 --steps 50 --every 25 --dir "$CKPT_ROOT/bench" --train.compile=false 2>"$OUT/checkpoint_bench.log" | fig
+part_checkpoint() {  # the tiers: memory-checkpoint blocking vs the D2H floor, throughput, disk load vs read floor
+  timeout "${CHECKPOINT_TIMEOUT_S:-420}" torchrun --standalone --nproc-per-node "$NGPU" bench/checkpoint_bench.py \
+    --config 1b --steps 50 --every 25 --persist-every 2 --dir "$CKPT_ROOT/bench" --train.compile=false \
+    2>"$OUT/checkpoint_bench.log" | fig
+  rm -rf "$CKPT_ROOT/bench"
 }
 
 part_recovery() {
@@ -71,11 +73,17 @@ part_recovery() {
 
 part_goodput() {
   ensure_data
-  # ~8 minutes of steps at ~0.4 s (eager, 2 GPUs); faults mid-way between checkpoints, a third and two
-  # thirds into the run.
-  faulty "goodput" "$NGPU" --train.steps="${GOODPUT_STEPS:-950}" --checkpoint.interval=100 \
-    --resiliency.faults="1:350:exception,0:650:sigkill"
+  # ~8 minutes of steps at ~0.4 s (eager); a memory checkpoint every 10 steps, every 20th of them persisted
+  # (disk every 200 steps); an exception (in-process) and a SIGKILL (in-job) mid-way between memory checkpoints,
+  # a third and two thirds into the run. The last rank takes the exception, rank 0 the SIGKILL.
+  local last=$(( NGPU - 1 )) steps="${GOODPUT_STEPS:-1230}"
+  local exc=$(( steps / 3 / 10 * 10 + 5 )) kill=$(( 2 * steps / 3 / 10 * 10 + 5 ))
+  faulty "goodput" "$NGPU" --train.steps="$steps" --checkpoint.interval=10 \
+    --checkpoint.persist_every=20 --resiliency.faults="$last:$exc:exception,0:$kill:sigkill"
   python3 bench/figures.py recovery "$OUT/goodput" | fig
+  grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed" \
+    "$OUT/goodput.log" | cut -c1-220 > "$OUT/goodput-events.log"
+  rm -rf "$CKPT_ROOT/goodput"
 }
 
 for part in "$@"; do

@@ -167,3 +167,21 @@ def test_interval_policy_fixed():
     policy = IntervalPolicy(4, 1.0)
     assert [s for s in range(1, 13) if policy.due(s)] == [4, 8, 12]
     assert not any(IntervalPolicy(0, 1.0).due(s) for s in range(1, 10))
+
+
+def test_checksum_computed_from_the_staged_tensors_equals_the_slot_checksum():
+    """CUDA computes a snapshot's checksum from its tensors on the copy stream; a respawned worker checks it
+    against the slot's bytes: both must agree for every dtype, odd byte counts, scalars and empty tensors."""
+    from trainer.checkpoint.layout import Piece
+    from trainer.checkpoint.slots import checksum, device_checksum, map_views, plan_layout
+
+    tensors = [torch.randn(5, 3), torch.randn(7).to(torch.bfloat16), torch.tensor(3.0),
+               torch.randint(-100, 100, (9,), dtype=torch.int64), torch.randn(0, 4), torch.randn(3).half()]
+    pieces = {f"t{i}": Piece(tuple(t.shape), (0,) * t.ndim, tuple(t.shape), t.dtype, False) for i, t in enumerate(tensors)}
+    layout, nbytes = plan_layout(pieces)
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    for key, view in map_views(buffer, layout).items():
+        view.copy_(tensors[int(key[1:])])
+    assert checksum(buffer) == int(device_checksum(tensors))
+    buffer[layout["t1"][1]] ^= 1  # one flipped bit
+    assert checksum(buffer) != int(device_checksum(tensors))

@@ -188,16 +188,17 @@ def test_sigkill_and_oom_on_each_rank_are_recovered_in_job(tmp_path, tiny_datase
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_dataset, reference):
-    """The step-4 checkpoint is corrupted at step 6; a SIGKILL at step 7 (before step 6's save commits) makes the
-    restart load: it must quarantine step 4, resume from step 2, and still end bit-identical."""
+    """Step 6's checkpoint (synchronous saves: committed at step 6) is corrupted at the start of step 7 while the
+    other rank is SIGKILLed there; with the node-local tier off the restart reads the disk: it must quarantine
+    step 6, resume from step 4, and still end bit-identical."""
     rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--checkpoint.node_local=false",  # the disk is read
-                            "--resiliency.faults=0:6:corrupt_checkpoint,1:7:sigkill")
+                            "--checkpoint.async_save=false", "--resiliency.faults=0:7:corrupt_checkpoint,1:7:sigkill")
     assert rc == 0, out[-4000:]
     ckpt = tmp_path / "checkpoints"
-    assert [p.name for p in ckpt.glob("step-00000004.corrupt-*")] == ["step-00000004.corrupt-checksum-mismatch"]
-    assert "step-00000004" in out and "checksum" in out  # the loud log line names the checkpoint and the reason
+    assert [p.name for p in ckpt.glob("step-00000006.corrupt-*")] == ["step-00000006.corrupt-checksum-mismatch"]
+    assert "step-00000006" in out and "checksum" in out  # the loud log line names the checkpoint and the reason
     restarts = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
-    assert [(r["layer"], r["resumed_step"]) for r in restarts] == [("injob", 2)]
+    assert [(r["layer"], r["resumed_step"], r["tier"]) for r in restarts] == [("injob", 4, "disk")]
     assert_same_weights(tmp_path, reference)
 
 

@@ -241,7 +241,21 @@ class CheckpointManager:
             self._warm_start(state)
         self.loaded_step = step
         self.policy.next_due = max(self.policy.next_due, (step or 0) + 1)
+        self._prepare_slots(state)
         return step
+
+    def _prepare_slots(self, state: dict[str, Any]) -> None:
+        """Reserve the snapshot slots in the background now (size predicted from the model: the optimizer may have
+        no state yet, and creating it here would change a fresh run), so the first memory checkpoint is cheap."""
+        if self.snapshots.prepared_once:
+            return
+        self.snapshots.prepared_once = True
+        model = [local_piece(v) for v in flatten(state, model_only=True)[0].values()]
+        device = next((t.device for t, _ in model if t.is_cuda), torch.device("cpu"))
+        # Each parameter, AdamW's two fp32 moments and its step, each 64-byte aligned: never less than staging needs.
+        nbytes = sum(_aligned(p.dtype.itemsize * _numel(p.shape)) + 2 * _aligned(4 * _numel(p.shape)) + _aligned(8)
+                     for _, p in model)
+        self.snapshots.prepare(nbytes, device)
 
     # ---- memory checkpoints ----------------------------------------------------------------------------------
     def _agree(self, step: int) -> tuple[bool, bool, float, float]:
@@ -462,19 +476,20 @@ class CheckpointManager:
         for step in sorted(common, reverse=True):
             if newest_disk is not None and step < newest_disk:
                 break
-            problems = [p for p in self._all_gather(self.snapshots.verify(step)) if p]
-            if problems:
-                log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
-                continue
             slot = self.snapshots.slot_for(step)
             assert slot is not None
+            verified = self.snapshots.verify(step)  # FT: the checksum runs while the snapshot is copied in
             live, _ = flatten(state)
             with torch.no_grad():
                 for key, value in live.items():
                     dst, piece = local_piece(value)
                     if key not in slot.views or slot.pieces.get(key, piece) != piece:
                         raise CheckpointError(f"snapshot has no matching {key}; the model changed")
-                    dst.copy_(slot.views[key])
+                    dst.copy_(slot.views[key], non_blocking=True)
+            problems = [p for p in self._all_gather(verified()) if p]
+            if problems:  # the tensors copied so far are overwritten by whatever is loaded next
+                log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
+                continue
             apply(state, live, slot.payload)
             self.restored_from = "memory" if in_process else "node-local"
             log.info("restored step %d from the %s tier (%s)", step, self.restored_from,
@@ -583,6 +598,10 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self._group)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // 64) * 64
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -114,6 +114,20 @@ def checksum(buffer: torch.Tensor) -> int:
     return int(buffer.view(torch.int64).sum())
 
 
+def device_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``checksum`` of a slot computed from the tensors staged into it, on their device: each tensor's bytes
+    zero-padded to whole 64-bit words equal its region of the slot (64-byte aligned, zero padding). On CUDA this
+    runs on the copy's stream in milliseconds, instead of a pass over host memory that competes with the
+    training loop for the CPU (measured on H200: +0.35 s on the step after every 1B snapshot)."""
+    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
+    for tensor in tensors:
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if raw.numel() % 8:
+            raw = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)])
+        total += raw.view(torch.int64).sum()
+    return total
+
+
 def config_hash(config_json: str) -> str:
     return hashlib.sha256(config_json.encode()).hexdigest()
 
@@ -146,18 +160,42 @@ class Slot:
     """A persistent write reads this slot."""
     published: threading.Event = field(default_factory=threading.Event)
     """Set while no node-local publication of this slot is in flight."""
+    checksum: int | None = None
+    """The snapshot's checksum when it was computed while staging (CUDA), else None (computed when published)."""
+    pending_checksum: Any = None
+    dirty: bool = False
+    """Bytes outside the current layout's tensors may be non-zero (an earlier layout was staged here)."""
 
     def ensure(self, layout: Layout, nbytes: int, pin: bool) -> None:
-        """Map (and pin on CUDA) the slot for this layout; kept when it did not change."""
-        if self.buffer is not None and layout == self.layout and bool(self.pinned) == pin \
-                and self.buffer.numel() == nbytes:
+        """Map (and pin on CUDA) the slot for this layout. A mapping that is large enough (prepared at start, or
+        an earlier save) is kept: only the views are rebuilt when the layout changed."""
+        self.reserve(nbytes, pin)
+        if layout != self.layout or not self.views:
+            assert self.buffer is not None
+            if self.dirty:  # the checksum counts the padding between tensors as zeros
+                self.buffer.zero_()
+                self.dirty = False
+            self.layout, self.views = layout, map_views(self.buffer, layout)
+
+    def reserve(self, nbytes: int, pin: bool, keep_content: bool = False) -> None:
+        """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
+        done ahead of it by ``SnapshotStore.prepare``. A mapped slot (a discovered snapshot) is pinned in place."""
+        if self.buffer is not None and self.buffer.numel() >= nbytes and (bool(self.pinned) == pin or pin):
+            if pin and not self.pinned:
+                self._pin()
             return
+        if keep_content and self.buffer is not None:
+            return  # a snapshot too small for the estimate: its first restaging reallocates it
         self.release()
         self.buffer = map_file(self.data_path, nbytes, allocate=True)
         if pin:
-            _check_cuda(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0), "cudaHostRegister")
-            self.pinned = self.buffer.data_ptr()
-        self.layout, self.views = layout, map_views(self.buffer, layout)
+            self._pin()
+
+    def _pin(self) -> None:
+        assert self.buffer is not None
+        _check_cuda(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0),
+                    "cudaHostRegister")
+        self.pinned = self.buffer.data_ptr()
 
     def release(self) -> None:
         if self.pinned:
@@ -181,6 +219,8 @@ class SnapshotStore:
         self.slots = [self._slot(i) for i in range(slots)]
         self._threads: list[threading.Thread] = []
         self._expected_checksum: dict[int, int] = {}
+        self._prepared: threading.Thread | None = None
+        self.prepared_once = False
         """Slot index -> checksum its header promises, for snapshots discovered from a previous process."""
 
     def _slot(self, index: int) -> Slot:
@@ -199,6 +239,23 @@ class SnapshotStore:
         self.world_size = world_size
 
     # ---- saving ---------------------------------------------------------------------------------------------
+    def prepare(self, nbytes: int, device: torch.device) -> None:
+        """Reserve every slot (at least ``nbytes``, pinned on CUDA) in a background thread while training starts,
+        so no save pays for the allocation; a save waits for it only if it comes first."""
+        pin = device.type == "cuda"
+
+        def run() -> None:
+            try:
+                if pin:
+                    torch.cuda.set_device(device)  # pinned for this rank's GPU context
+                for slot in self.slots:
+                    slot.reserve(nbytes, pin, keep_content=slot.step is not None)
+            except Exception as exc:  # the first save reserves (and reports) it again
+                log.warning("snapshot slots not prepared ahead of the first save: %s", exc)
+
+        self._prepared = threading.Thread(target=run, name="snapshot-prepare", daemon=True)
+        self._prepared.start()
+
     def choose(self) -> Slot | None:
         """A slot to stage into: never the newest complete snapshot, never one a persistent write reads.
         None when every slot is taken (2 slots, a write in flight on the older one): the save is skipped."""
@@ -209,17 +266,24 @@ class SnapshotStore:
     def stage(self, slot: Slot, step: int, locals_: dict[str, torch.Tensor], pieces: dict[str, Piece],
               payload: dict[str, Any], stream: Any) -> None:
         """Copy this rank's tensors into ``slot`` (asynchronously on CUDA, on ``stream``)."""
+        if self._prepared is not None:
+            self._prepared.join()
+            self._prepared = None
         slot.invalidate()
         layout, nbytes = plan_layout(pieces)
         on_cuda = any(t.is_cuda for t in locals_.values())
         self.dir.mkdir(parents=True, exist_ok=True)
         slot.ensure(layout, nbytes, pin=on_cuda)
-        slot.pieces, slot.payload, slot.staging = pieces, payload, step
+        slot.pieces, slot.payload, slot.staging, slot.dirty, slot.checksum = pieces, payload, step, True, None
         if on_cuda:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for key, src in locals_.items():
                     slot.views[key].copy_(src.detach(), non_blocking=True)
+                if self.node_local:
+                    if slot.pending_checksum is None:
+                        slot.pending_checksum = torch.zeros((), dtype=torch.int64, pin_memory=True)
+                    slot.pending_checksum.copy_(device_checksum(list(locals_.values())), non_blocking=True)
             slot.event = torch.cuda.Event()
             slot.event.record(stream)
         else:
@@ -239,6 +303,8 @@ class SnapshotStore:
             if not wait and not slot.event.query():
                 return False
             slot.event.synchronize()
+            if slot.pending_checksum is not None and self.node_local:
+                slot.checksum = int(slot.pending_checksum)
         slot.step, slot.staging, slot.event = slot.staging, None, None
         if self.node_local:
             slot.published.clear()
@@ -253,7 +319,8 @@ class SnapshotStore:
             meta = {
                 "format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "job": self.job, "rank": self.rank,
                 "world_size": self.world_size, "config_hash": self.config_hash, "step": step,
-                "nbytes": slot.buffer.numel(), "checksum": checksum(slot.buffer),
+                "nbytes": slot.buffer.numel(),
+                "checksum": slot.checksum if slot.checksum is not None else checksum(slot.buffer),
                 "layout": {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()},
                 "pieces": {k: [list(p.global_shape), list(p.offset), list(p.shape), str(p.dtype).removeprefix("torch."),
                                p.sharded] for k, p in slot.pieces.items()},
@@ -301,7 +368,7 @@ class SnapshotStore:
             if why:
                 log.warning("ignoring node-local snapshot %s: %s; the next tier is used", slot.meta_path, why)
                 continue
-            slot.buffer = map_file(slot.data_path, nbytes)
+            slot.buffer = map_file(slot.data_path, meta["nbytes"])
             slot.layout, slot.views = expected, map_views(slot.buffer, expected)
             slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
             self._expected_checksum[slot.index] = meta["checksum"]
@@ -321,27 +388,37 @@ class SnapshotStore:
             if meta.get(key) != value:
                 return f"written by {what} ({key} {str(meta.get(key))[:16]} != {str(value)[:16]})", {}
         layout = {k: (d, o, tuple(s)) for k, (d, o, s) in meta["layout"].items()}
-        if layout != expected or meta.get("nbytes") != nbytes:
+        if layout != expected or meta.get("nbytes", 0) < nbytes:
             return "its tensors differ from this model's", {}
-        if not slot.data_path.is_file() or slot.data_path.stat().st_size != nbytes:
+        if not slot.data_path.is_file() or slot.data_path.stat().st_size != meta["nbytes"]:
             return "its data file is missing or has the wrong size", {}
         return "", meta
 
-    def verify(self, step: int) -> str:
-        """'' when this rank's snapshot of ``step`` passes its checksum (discovered snapshots only), else why not."""
+    def verify(self, step: int) -> Callable[[], str]:
+        """Start checking this rank's snapshot of ``step`` against its header's checksum (discovered snapshots
+        only) in a background thread, so the check overlaps the copy into the model; the returned function waits
+        and gives '' when it passed, else why not (the snapshot is then dropped)."""
         slot = self.slot_for(step)
         if slot is None:
-            return f"no snapshot of step {step}"
+            return lambda: f"no snapshot of step {step}"
         expected = self._expected_checksum.get(slot.index)
         if expected is None:  # written by this process: its own memory, nothing to verify
-            return ""
+            return lambda: ""
         assert slot.buffer is not None
-        actual = checksum(slot.buffer)
-        if actual != expected:
-            self.drop(slot)
-            return f"checksum mismatch in {slot.data_path} (flipped or stale bytes)"
-        self._expected_checksum.pop(slot.index)
-        return ""
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(checksum(slot.buffer)), name="snapshot-verify",
+                                  daemon=True)
+        thread.start()
+
+        def outcome() -> str:
+            thread.join()
+            if result != [expected]:
+                self.drop(slot)
+                return f"checksum mismatch in {slot.data_path} (flipped or stale bytes)"
+            self._expected_checksum.pop(slot.index, None)
+            return ""
+
+        return outcome
 
     def drop(self, slot: Slot) -> None:
         """Forget a snapshot that failed verification (its files are removed)."""
@@ -352,6 +429,8 @@ class SnapshotStore:
     # ---- end --------------------------------------------------------------------------------------------------
     def close(self, remove: bool) -> None:
         """Unmap the slots; ``remove`` deletes this rank's files (the job is over) and the directory once empty."""
+        if self._prepared is not None:
+            self._prepared.join()
         for thread in self._threads:
             thread.join(timeout=30)
         for slot in self.slots:
