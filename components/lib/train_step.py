@@ -140,7 +140,8 @@ class PyTorchJobBackend:
             name=job_name(layout.run_id, TRAIN_STEP_NAME), image=p.image, args=args, namespace=namespace(p),
             nodes=p.nodes, nproc_per_node=p.procs_per_rank_node, gpus_per_node=p.gpus_per_node,
             pvc_name=p.pvc_name, mount_path=SHARED_MOUNT, node_selector=dict(p.node_selector),
-            tolerations=list(p.tolerations), ft_max_restarts=p.ft_max_restarts,
+            tolerations=list(p.tolerations), image_pull_secrets=list(p.image_pull_secrets),
+            ft_max_restarts=p.ft_max_restarts,
             max_cluster_restarts=p.max_cluster_restarts, active_deadline_seconds=int(p.deadline_hours * 3600),
             labels={KUEUE_LABEL: queue} if queue else {})
 
