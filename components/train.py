@@ -27,8 +27,9 @@ def train(
     import os
 
     from components.lib.params import PipelineParams
-    from components.lib.train_step import run_train
+    from components.lib.train_step import configure_step_logging, run_train
 
+    configure_step_logging()
     values = dict(locals())
     p = PipelineParams.from_mapping({k: values[k] for k in PipelineParams.__dataclass_fields__})
     outcome = run_train(p, run_id, dataset.metadata["data_dir"])

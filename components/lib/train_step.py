@@ -34,6 +34,14 @@ KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+def configure_step_logging() -> None:
+    """Show this project's INFO events (job created, state changes, success) in the step log; the launcher
+    keeps WARNING for failures, restarts and retries."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("components").setLevel(logging.INFO)
+
+
 class TrainStepError(RuntimeError):
     """The train step cannot succeed as configured; the message says why."""
 

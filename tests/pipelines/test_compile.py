@@ -4,6 +4,7 @@ Regenerate the golden file on purpose with ``UPDATE_GOLDEN=1 pytest tests/pipeli
 """
 
 import ast
+import subprocess
 import sys
 import difflib
 import os
@@ -200,3 +201,29 @@ def test_compile_cli_writes_yaml(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "x" / "p.yaml"), "--image", IMAGE]) == 0
     spec, _ = yaml.safe_load_all((tmp_path / "x" / "p.yaml").read_text())
     assert spec["root"]["inputDefinitions"]["parameters"]["image"]["defaultValue"] == IMAGE
+
+
+def make(*args: str) -> subprocess.CompletedProcess:
+    """``make ARGS`` in the repository with this interpreter, without re-running ``make setup``."""
+    return subprocess.run(["make", "-C", str(REPO), "-o", ".venv/.installed", f"PY={sys.executable}", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_make_compile_writes_the_pipeline_for_an_image(tmp_path):
+    out = tmp_path / "p.yaml"
+    done = make("compile", f"IMAGE={IMAGE}", f"PULL_SECRET={PULL_SECRET}", f"PIPELINE={out}")
+    assert done.returncode == 0, done.stderr
+    spec, platform = yaml.safe_load_all(out.read_text())
+    assert spec["root"]["inputDefinitions"]["parameters"]["image"]["defaultValue"] == IMAGE
+    assert "imagePullSecret" in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train"]
+    missing = make("compile", "IMAGE=", f"PIPELINE={tmp_path / 'q.yaml'}")
+    assert missing.returncode != 0 and "set IMAGE=" in missing.stderr and not (tmp_path / "q.yaml").exists()
+
+
+def test_make_bench_runs_the_documented_benchmark():
+    dry = make("-n", "bench")
+    assert dry.returncode == 0, dry.stderr
+    command = " ".join(dry.stdout.replace("\\\n", " ").split())
+    documented = "bench/checkpoint_bench.py --config tiny --model.vocab_size=2048 --saves 3 --steps 20 --every 5"
+    assert documented in command and documented in (REPO / "BENCHMARKS.md").read_text()
+    assert (REPO / "bench" / "checkpoint_bench.py").is_file()
