@@ -1,6 +1,8 @@
 """``python -m pipelines.cli``: cron and parameter validation, and the kfp.Client calls (a fake client)."""
 
+import http.server
 import socket
+import threading
 from types import SimpleNamespace
 
 import kfp
@@ -219,3 +221,34 @@ def test_an_unreachable_host_is_one_clear_line(monkeypatch, capsys):
 def test_schedule_rejects_a_unix_cron_before_connecting(fake_client, capsys):
     assert cli.main(["schedule", "--host", "http://kfp", "--cron", "0 3 * * *", "--name", "n"]) == 2
     assert fake_client == [] and "six" in capsys.readouterr().err
+
+
+class Refusing(http.server.BaseHTTPRequestHandler):
+    """A KFP API that answers every request 401, as Kubeflow's gateway does without valid credentials."""
+
+    def _refuse(self):
+        self.send_response(401, "Unauthorized")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "unauthorized"}')
+
+    do_GET = do_POST = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+def test_refused_credentials_are_one_clear_line(monkeypatch, capsys):
+    for name in ("KFP_HOST", cli.COOKIES_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cli.TOKEN_ENV, "expired-token")
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert cli.main(["submit", "--host", host, "--namespace", "team-a", "--param", f"image={IMAGE}"]) == 1
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{host} refused the request (HTTP 401" in err and "KFP_TOKEN" in err
