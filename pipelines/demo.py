@@ -40,7 +40,9 @@ FAULTS = "0:15:exception,1:33:sigkill,0:48:sigterm"
 #: Lines the terminal shows (the rest is in the log file): the steps' own progress lines, kfp.local's outcome of
 #: each task and of the pipeline, and the trainer's recovery events (`RECOVERY_EVENTS`).
 SHOWN = re.compile(r"^\[(demo|validate|data|train|eval|promote|cleanup)\] |^\S+ - \w+ - (Task|Pipeline) .* finished with "
-                   r"status")
+                   r"status|^[\w.]+\.\w+(Error|Exceeded|Failure|Terminated|Exception|Mismatch): ")
+#: Shown elsewhere: a step's exception line is shown, the traceback header alone says nothing.
+HIDDEN = re.compile(r"^Traceback \(most recent call last\):$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LOG_TAIL_ON_ERROR = 40
 PUMP_JOIN_S = 10.0
@@ -106,18 +108,23 @@ def format_summary(s: dict[str, Any], took_s: float) -> str:
 def shown(line: str) -> str | None:
     """The line as the terminal shows it (colours and kfp.local's indentation removed), or None to log only."""
     text = _ANSI.sub("", line).strip()
+    if HIDDEN.match(text):
+        return None
     return text if SHOWN.search(text) or RECOVERY_EVENTS.search(text) else None
 
 
 def _pump(read_fd: int, log_path: Path, terminal: TextIO, verbose: bool) -> None:
+    seen: set[str] = set()  # a failed step's error repeats the log tail already shown
     with os.fdopen(read_fd, "r", errors="replace") as source, open(log_path, "a") as log:
         for line in source:
             log.write(line)
             log.flush()
             text = line.rstrip("\n") if verbose else shown(line)
-            if text is not None:
-                terminal.write(text + "\n")
-                terminal.flush()
+            if text is None or (not verbose and text in seen):
+                continue
+            seen.add(text)
+            terminal.write(text + "\n")
+            terminal.flush()
 
 
 @contextlib.contextmanager

@@ -10,12 +10,14 @@ KFP_NOISE = [
     "    [KFP Executor 2026-12-01 05:14:10,097 INFO]: Got executor_input:",
     "    {", '        "inputs": {', '            "parameterValues": {"steps": 60}', "    }",
     "/x/kfp/local/subprocess_task_handler.py:81: RuntimeWarning: You may be attemping to run a task ...",
+    "    Traceback (most recent call last):",
 ]
 SHOWN_LINES = [
     "    [train] step 33/60 loss 6.0200 (55%) 1,819 tok/s",
     "    2026-12-01 05:15:05,567 WARNING [rank0] trainer.faults: injecting fault exception at step 15 (pid 1)",
     "05:15:40.348 - INFO - Task \x1b[96m'train'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m",
     "    [eval] step 60: val loss 6.2763, perplexity 531.80; promoted",
+    "    components.lib.local_launcher.RestartBudgetExceeded: training exited 202 (PREEMPTED) (retryable) and ...",
 ]
 
 
@@ -33,6 +35,7 @@ def test_the_terminal_gets_the_shown_lines_and_the_log_file_everything(tmp_path,
         print(SHOWN_LINES[0], file=sys.stderr, flush=True)
         # a child process (kfp.local's step subprocesses) writes to the same stdout
         subprocess.run([sys.executable, "-c", f"print({KFP_NOISE[3]!r}); print({SHOWN_LINES[1]!r})"], check=True)
+        print(SHOWN_LINES[1], flush=True)  # a failed step's error repeats the log tail: shown once
     out, err = capfd.readouterr()
     assert out.splitlines() == [shown(SHOWN_LINES[0]), shown(SHOWN_LINES[1])] and err == ""
     logged = log.read_text()

@@ -8,7 +8,7 @@ from components.lib.layout import RunLayout
 from components.lib.report import read_jsonl, summarize_ledger
 from pipelines.demo import STEPS, format_summary, main, summarize
 
-MAX_TERMINAL_LINES = 80  # progress, recovery events, task outcomes and the summary; the rest is in the log
+MAX_TERMINAL_LINES = 120  # progress, recovery events, task outcomes, the summary (~80 lines; ~900 before); the rest is logged
 
 
 @pytest.mark.slow
