@@ -189,14 +189,15 @@ def client_arguments(args: argparse.Namespace, environ: Mapping[str, str] | None
     if IN_CLUSTER_ENV not in environ:
         raise CliError("no --host and not running in a Kubernetes pod: from a laptop pass --host "
                        "https://KUBEFLOW/pipeline with $KFP_TOKEN or $KFP_COOKIES (see --help)")
-    credentials = kfp.client.ServiceAccountTokenVolumeCredentials(path=args.token_path)
-    token_path = Path(credentials._token_path)  # noqa: SLF001 - the path the class resolved from its env/default
+    # The same lookup as ServiceAccountTokenVolumeCredentials(path=None), done here to check the file first.
+    token_path = Path(args.token_path or environ.get(kfp.client.KF_PIPELINES_SA_TOKEN_ENV)
+                      or kfp.client.KF_PIPELINES_SA_TOKEN_PATH)
     if not token_path.is_file():
         raise CliError(f"in-cluster mode reads the Pipelines token at {token_path}, which does not exist: in a "
                        "Kubeflow notebook enable 'Allow access to Kubeflow Pipelines' (PodDefault "
                        "access-ml-pipeline), or pass --token-path, or --host with $KFP_TOKEN")
-    host = IN_CLUSTER_HOST.format(namespace=args.kfp_namespace)
-    return {"host": host, "credentials": credentials, **namespace}
+    credentials = kfp.client.ServiceAccountTokenVolumeCredentials(path=str(token_path))
+    return {"host": IN_CLUSTER_HOST.format(namespace=args.kfp_namespace), "credentials": credentials, **namespace}
 
 
 def _client(args: argparse.Namespace) -> Any:
