@@ -18,7 +18,7 @@ def test_pipeline_recovers_at_every_layer(tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("RESILIENT_TRAIN_LOG_ECHO", raising=False)
     assert main(["--root", str(tmp_path)]) == 0  # `make demo`
     terminal = capfd.readouterr().out
-    (run_root,) = (tmp_path / "work").iterdir()
+    (run_root,) = [p for p in (tmp_path / "work").iterdir() if p.is_dir()]
     layout = RunLayout(run_root.parent, run_root.name)
     params = {"steps": STEPS}
 
