@@ -33,5 +33,21 @@ test-fast: setup
 demo: setup
 	$(PY) -m pipelines.demo
 
+# The cluster pipeline for one image: make compile IMAGE=registry.example.com/you/resilient-train:TAG
+# [PULL_SECRET=regcred] [PIPELINE=pipeline.yaml]. The YAML is stamped with this checkout's version, which the
+# image must carry too (docker build --build-arg VERSION="$$(python -m pipelines.compile --print-version)").
+IMAGE ?=
+PULL_SECRET ?=
+PIPELINE ?= pipeline.yaml
+compile: setup
+	@test -n "$(IMAGE)" || { echo "make compile: set IMAGE=REGISTRY/resilient-train:TAG, the image you built and pushed" >&2; exit 2; }
+	$(PY) -m pipelines.compile --image "$(IMAGE)" $(if $(PULL_SECRET),--image-pull-secret "$(PULL_SECRET)") --out "$(PIPELINE)"
+
+# The CPU benchmark of BENCHMARKS.md (checkpoint cost, sync vs async). The GPU figures come from
+# bench/gpu_suite.sh on a CUDA host (see BENCHMARKS.md).
+bench: setup
+	PYTHONPATH=.:trainer_image OMP_NUM_THREADS=2 $(PY) bench/checkpoint_bench.py --config tiny \
+		--model.vocab_size=2048 --saves 3 --steps 20 --every 5
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,8 +10,9 @@ def cleanup(backend: str, workdir: str, namespace: str, run_id: str, status: dsl
     """Delete the PyTorchJob (pytorchjob backend) or kill leftover processes (local); idempotent."""
     from components.lib.layout import RunLayout
     from components.lib.params import PipelineParams
-    from components.lib.train_step import backend_for
+    from components.lib.train_step import backend_for, configure_step_logging
 
+    configure_step_logging()
     p = PipelineParams(backend=backend, workdir=workdir, namespace=namespace)
     message = backend_for(backend).cleanup(p, RunLayout(workdir, run_id))
     print(f"[cleanup] pipeline {status.state}: {message}")

@@ -11,8 +11,9 @@ def train(
     model: str, steps: int, checkpoint_interval: int, nodes: int, gpus_per_node: int, procs_per_node: int,
     seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
     max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
-    workdir: str, pvc_name: str, namespace: str, image: str, node_selector: dict, tolerations: list,
-    trainer_overrides: list, eval_batch_size: int, eval_max_batches: int, promoted_registry: str,
+    workdir: str, pvc_name: str, namespace: str, image: str, image_pull_secrets: list, node_selector: dict,
+    tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,
+    eval_max_batches: int, eval_cpu: str, eval_memory: str, eval_gpus: int, promoted_registry: str,
     min_improvement: float, deadline_hours: float,
     run_id: str, dataset: Input[Dataset], checkpoint: Output[Model], metrics: Output[Metrics],
 ):
@@ -26,8 +27,9 @@ def train(
     import os
 
     from components.lib.params import PipelineParams
-    from components.lib.train_step import run_train
+    from components.lib.train_step import configure_step_logging, run_train
 
+    configure_step_logging()
     values = dict(locals())
     p = PipelineParams.from_mapping({k: values[k] for k in PipelineParams.__dataclass_fields__})
     outcome = run_train(p, run_id, dataset.metadata["data_dir"])

@@ -10,15 +10,19 @@ def validate_params(
     model: str, steps: int, checkpoint_interval: int, nodes: int, gpus_per_node: int, procs_per_node: int,
     seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
     max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
-    workdir: str, pvc_name: str, namespace: str, image: str, node_selector: dict, tolerations: list,
-    trainer_overrides: list, eval_batch_size: int, eval_max_batches: int, promoted_registry: str,
-    min_improvement: float, deadline_hours: float,
+    workdir: str, pvc_name: str, namespace: str, image: str, image_pull_secrets: list, node_selector: dict,
+    tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,
+    eval_max_batches: int, eval_cpu: str, eval_memory: str, eval_gpus: int, promoted_registry: str,
+    min_improvement: float, deadline_hours: float, compiled_version: str,
 ) -> str:
-    """Check every pipeline parameter (``components.lib.params``); return a one-line summary of the run."""
+    """Check every pipeline parameter (``components.lib.params``) and that the image was built from the version
+    the pipeline was compiled from (``components.lib.version``); return a one-line summary of the run."""
     values = dict(locals())
     from components.lib.params import PipelineParams
+    from components.lib.version import check_image_version
 
-    p = PipelineParams.from_mapping(values).validate()
+    p = PipelineParams.from_mapping({k: v for k, v in values.items() if k != "compiled_version"}).validate()
+    print(f"[validate] {check_image_version(compiled_version, image)}")
     summary = (f"{p.model} x {p.steps} steps on {p.nodes} node(s) x {p.procs_per_rank_node} rank(s) "
                f"({'GPU' if p.gpus_per_node else 'CPU'}), backend {p.backend}, checkpoint every "
                f"{p.checkpoint_interval}, faults: {p.faults or 'none'}")

@@ -1,36 +1,78 @@
 """``python -m pipelines.cli {compile,submit,schedule}``: the training pipeline on a Kubeflow cluster.
 
-    python -m pipelines.cli compile --out pipeline.yaml
-    python -m pipelines.cli submit --host "$KFP_HOST" --experiment resilient-train \\
+    python -m pipelines.cli compile --image "$IMAGE" --out pipeline.yaml
+    python -m pipelines.cli submit --host "$KFP_HOST" --namespace "$NAMESPACE" --package pipeline.yaml \\
         --param model=1b --param nodes=2 --param gpus_per_node=8 --param steps=20000
-    python -m pipelines.cli schedule --host "$KFP_HOST" --experiment nightly-train \\
+    python -m pipelines.cli schedule --host "$KFP_HOST" --namespace "$NAMESPACE" --package pipeline.yaml \\
         --cron '0 0 3 * * *' --name nightly-train --param init_from=promoted
 
 Parameters are validated here (``components.lib.params``) before anything is submitted. Runs use the
-service account ``train-launcher`` (``deploy/base/rbac.yaml``) unless ``--service-account`` says otherwise.
+profile's service account ``default-editor``, to which ``deploy/base/rbac.yaml`` binds the launcher's
+extra rights, unless ``--service-account`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import sys
 import tempfile
 import typing
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from components.lib.params import ParamError, PipelineParams
 from pipelines.compile import compile_pipeline
 
-SERVICE_ACCOUNT = "train-launcher"
+SERVICE_ACCOUNT = "default-editor"  # the Kubeflow profile's editor; deploy/base/rbac.yaml binds the launcher Role to it
+TOKEN_ENV = "KFP_TOKEN"
+COOKIES_ENV = "KFP_COOKIES"
+#: The KFP API server seen from a pod (Kubeflow installs it in namespace "kubeflow").
+IN_CLUSTER_HOST = "http://ml-pipeline.{namespace}.svc.cluster.local:8888"
+KFP_SYSTEM_NAMESPACE = "kubeflow"
+IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
 _CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,?#LW-]+$")
+# (name, low, high, names allowed) of each KFP (robfig/cron) field, seconds first.
+_CRON_RANGES = (("second", 0, 59, ()), ("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day-of-month", 1, 31, ()),
+                ("month", 1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV",
+                                  "DEC")),
+                ("day-of-week", 0, 6, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")))
+
+AUTH_HELP = f"""\
+authentication (Kubeflow with multi-user isolation needs one of these):
+  in the cluster (a Kubeflow notebook, a pod):
+      omit --host. The client calls {IN_CLUSTER_HOST.format(namespace=KFP_SYSTEM_NAMESPACE)} with the
+      pod's projected ServiceAccount token (kfp.client.ServiceAccountTokenVolumeCredentials), read from
+      $KF_PIPELINES_SA_TOKEN_PATH or /var/run/secrets/kubeflow/pipelines/token. In a Kubeflow notebook,
+      tick the configuration "Allow access to Kubeflow Pipelines" (PodDefault access-ml-pipeline) so the
+      token is mounted. --token-path names another file, --kfp-namespace another KFP install namespace.
+  from a laptop, with a token:
+      --host https://KUBEFLOW/pipeline and $KFP_TOKEN (or --existing-token), e.g.
+      export KFP_TOKEN=$(kubectl -n "$NAMESPACE" create token default-editor)
+      (Kubeflow >= 1.9 accepts ServiceAccount tokens at its gateway; or use your OIDC id token). Against a
+      port-forward of svc/ml-pipeline, create it with --audience=pipelines.kubeflow.org.
+  from a laptop, with a browser session:
+      --host https://KUBEFLOW/pipeline and $KFP_COOKIES (or --cookies), e.g.
+      export KFP_COOKIES="authservice_session=..." (or oauth2_proxy_kubeflow=...), copied from the
+      browser's cookies for the Kubeflow site after logging in.
+  a single-user (standalone) KFP:
+      --host http://localhost:8888 (kubectl -n kubeflow port-forward svc/ml-pipeline 8888), no credentials.
+Prefer the environment variables: a token on the command line is visible to other users of the machine.
+"""
 
 
 class CliError(ValueError):
-    """Bad command-line input; the message says what to change."""
+    """Bad command-line input; the message says what to change (exit 2)."""
+
+
+class KfpUnreachable(CliError):
+    """The KFP API could not be reached or refused the request; the message names the host and what to check
+    (exit 1)."""
 
 
 def validate_cron(expr: str) -> str:
@@ -45,10 +87,25 @@ def validate_cron(expr: str) -> str:
     bad = [f for f in fields if not _CRON_FIELD.match(f)]
     if bad:
         raise CliError(f"cron {expr!r}: field(s) {bad} contain characters cron does not accept")
-    second = fields[0]
-    if second.isdigit() and int(second) > 59:
-        raise CliError(f"cron {expr!r}: the first field is the second (0-59); got {second}")
+    for value, (name, low, high, names) in zip(fields, _CRON_RANGES):
+        for number in _cron_numbers(value, names):
+            if not low <= number <= high:
+                hint = " (the first field is the second)" if name == "second" else ""
+                raise CliError(f"cron {expr!r}: the {name} field{hint} must be in {low}-{high}; got {value!r}")
     return expr
+
+
+def _cron_numbers(field: str, names: Sequence[str]) -> list[int]:
+    """The numbers a cron field names (range ends and single values; step sizes excluded); names skipped."""
+    numbers = []
+    for part in field.split(","):
+        base = part.split("/", 1)[0]
+        for end in base.split("-"):
+            if end.isdigit():
+                numbers.append(int(end))
+            elif end not in ("*", "?", "") and end.upper() not in names:
+                raise CliError(f"cron field {field!r}: {end!r} is neither a number nor one of {list(names) or '*'}")
+    return numbers
 
 
 def parse_params(items: Sequence[str], params_file: str | None = None) -> dict[str, Any]:
@@ -88,16 +145,69 @@ def _typed(name: str, kind: Any, raw: str) -> Any:
     return raw
 
 
-def validated(values: dict[str, Any]) -> dict[str, Any]:
-    """The arguments to submit (only those given: the pipeline's defaults fill in the rest), validated."""
-    PipelineParams.from_mapping(values).validate()
+def package_defaults(package: str) -> dict[str, Any]:
+    """The parameter defaults compiled into a pipeline YAML (e.g. its image), typed like `PipelineParams`."""
+    from kfp import components
+
+    try:
+        inputs = components.load_component_from_file(package).component_spec.inputs or {}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"--package {package}: not a compiled pipeline YAML ({exc}); write one with "
+                       "`python -m pipelines.compile --image ...`") from None
+    hints = typing.get_type_hints(PipelineParams)
+    return {name: int(spec.default) if hints.get(name) is int else spec.default
+            for name, spec in inputs.items() if name in hints and spec.default is not None}
+
+
+def validated(values: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The arguments to submit (only those given: the pipeline's defaults fill in the rest), validated
+    together with the defaults they are combined with."""
+    PipelineParams.from_mapping({**(defaults or {}), **values}).validate()
     return values
+
+
+def client_arguments(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``kfp.Client`` keyword arguments for the authentication mode the flags and environment choose (`AUTH_HELP`)."""
+    import kfp.client
+
+    environ = os.environ if environ is None else environ
+    token = args.existing_token or environ.get(TOKEN_ENV, "")
+    cookies = args.cookies or environ.get(COOKIES_ENV, "")
+    namespace = {"namespace": args.namespace} if args.namespace else {}
+    if token and cookies:
+        raise CliError(f"give a token (--existing-token / ${TOKEN_ENV}) or cookies (--cookies / ${COOKIES_ENV}), "
+                       "not both")
+    if args.host:
+        if token:
+            return {"host": args.host, "existing_token": token, **namespace}
+        if cookies:
+            return {"host": args.host, "cookies": cookies, **namespace}
+        return {"host": args.host, **namespace}
+    if token or cookies:
+        raise CliError("a token or cookies need --host (the Kubeflow Pipelines URL): in the cluster, omit them "
+                       "and the pod's ServiceAccount token is used")
+    if IN_CLUSTER_ENV not in environ:
+        raise CliError("no --host and not running in a Kubernetes pod: from a laptop pass --host "
+                       "https://KUBEFLOW/pipeline with $KFP_TOKEN or $KFP_COOKIES (see --help)")
+    # The same lookup as ServiceAccountTokenVolumeCredentials(path=None), done here to check the file first.
+    token_path = Path(args.token_path or environ.get(kfp.client.KF_PIPELINES_SA_TOKEN_ENV)
+                      or kfp.client.KF_PIPELINES_SA_TOKEN_PATH)
+    if not token_path.is_file():
+        raise CliError(f"in-cluster mode reads the Pipelines token at {token_path}, which does not exist: in a "
+                       "Kubeflow notebook enable 'Allow access to Kubeflow Pipelines' (PodDefault "
+                       "access-ml-pipeline), or pass --token-path, or --host with $KFP_TOKEN")
+    credentials = kfp.client.ServiceAccountTokenVolumeCredentials(path=str(token_path))
+    return {"host": IN_CLUSTER_HOST.format(namespace=args.kfp_namespace), "credentials": credentials, **namespace}
 
 
 def _client(args: argparse.Namespace) -> Any:
     import kfp
 
-    return kfp.Client(host=args.host, namespace=args.namespace)
+    kwargs = client_arguments(args)
+    args.host = kwargs["host"]
+    with warnings.catch_warnings():  # "This client only works with Kubeflow Pipeline v2.0.0-beta.2 and later"
+        warnings.simplefilter("ignore", FutureWarning)
+        return kfp.Client(**kwargs)
 
 
 def _experiment_id(client: Any, args: argparse.Namespace) -> str:
@@ -106,21 +216,28 @@ def _experiment_id(client: Any, args: argparse.Namespace) -> str:
     return client.create_experiment(args.experiment, namespace=args.namespace).experiment_id
 
 
-def _package(args: argparse.Namespace, tmp: str) -> str:
-    return args.package or str(compile_pipeline(Path(tmp) / "pipeline.yaml"))
+def _package(args: argparse.Namespace, arguments: dict[str, Any], tmp: str) -> str:
+    """The given package, or one compiled now for the image in ``--param image=...``."""
+    return args.package or str(compile_pipeline(Path(tmp) / "pipeline.yaml", image=arguments.get("image", "")))
+
+
+def _arguments(args: argparse.Namespace) -> dict[str, Any]:
+    values = parse_params(args.param, args.params_file)
+    return validated(values, package_defaults(args.package) if args.package else None)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    print(f"wrote {compile_pipeline(args.out)}")
+    print(f"wrote {compile_pipeline(args.out, image=args.image, image_pull_secrets=args.image_pull_secret)}")
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    arguments = validated(parse_params(args.param, args.params_file))
-    client = _client(args)
-    with tempfile.TemporaryDirectory() as tmp:
+    arguments = _arguments(args)
+    with tempfile.TemporaryDirectory() as tmp, reaching(args):
+        package = _package(args, arguments, tmp)
+        client = _client(args)
         run = client.create_run_from_pipeline_package(
-            _package(args, tmp), arguments=arguments, run_name=args.run_name, experiment_id=_experiment_id(client, args),
+            package, arguments=arguments, run_name=args.run_name, experiment_id=_experiment_id(client, args),
             namespace=args.namespace, enable_caching=None, service_account=args.service_account)
     print(f"submitted run {run.run_id}: {args.host.rstrip('/')}/#/runs/details/{run.run_id}")
     return 0
@@ -128,15 +245,43 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_schedule(args: argparse.Namespace) -> int:
     cron = validate_cron(args.cron)
-    arguments = validated(parse_params(args.param, args.params_file))
-    client = _client(args)
-    with tempfile.TemporaryDirectory() as tmp:
+    arguments = _arguments(args)
+    with tempfile.TemporaryDirectory() as tmp, reaching(args):
+        package = _package(args, arguments, tmp)
+        client = _client(args)
         job = client.create_recurring_run(
             experiment_id=_experiment_id(client, args), job_name=args.name, cron_expression=cron,
             max_concurrency=args.max_concurrency, no_catchup=not args.catchup, params=arguments,
-            pipeline_package_path=_package(args, tmp), service_account=args.service_account)
+            pipeline_package_path=package, service_account=args.service_account)
     print(f"scheduled recurring run {job.recurring_run_id} ({args.name}) with cron {cron!r}")
     return 0
+
+
+@contextlib.contextmanager
+def reaching(args: argparse.Namespace) -> Iterator[None]:
+    """Turn the KFP client's transport and HTTP errors into one `CliError` line naming the host and what to check.
+
+    The client raises urllib3 errors for an unreachable host and kfp_server_api's ApiException for HTTP
+    errors; ``pipelines/`` imports neither package, so they are recognized by their module and fields."""
+    try:
+        yield
+    except CliError:
+        raise
+    except Exception as exc:
+        host = args.host or "the in-cluster KFP API"
+        status = getattr(exc, "status", None)
+        if type(exc).__name__ == "ApiException" and status in (401, 403):
+            raise KfpUnreachable(f"{host} refused the request (HTTP {status} {getattr(exc, 'reason', '')}): check the "
+                           f"credentials ($KFP_TOKEN / $KFP_COOKIES still valid?) and that the account may use "
+                           f"namespace {args.namespace or '(unset: pass --namespace)'}") from None
+        if type(exc).__name__ == "ApiException":
+            raise KfpUnreachable(f"{host} answered HTTP {status} {getattr(exc, 'reason', '')}: check that --host is the "
+                           "Pipelines API (often https://KUBEFLOW/pipeline) and the KFP backend is >= 2.4") from None
+        if any(c.__module__.split(".")[0] == "urllib3" for c in type(exc).__mro__) or isinstance(exc, OSError):
+            reason = getattr(exc, "reason", None) or exc
+            raise KfpUnreachable(f"cannot reach Kubeflow Pipelines at {host} ({type(reason).__name__}): check the URL "
+                           "(scheme, port, the /pipeline path), VPN or port-forward, and proxy settings") from None
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,19 +289,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_compile = sub.add_parser("compile", help="write the pipeline YAML")
     p_compile.add_argument("--out", default="pipeline.yaml")
+    p_compile.add_argument("--image", required=True, help="the trainer image you built and pushed")
+    p_compile.add_argument("--image-pull-secret", action="append", default=[], metavar="SECRET",
+                           help="a docker-registry Secret to pull the image with (repeatable)")
     p_compile.set_defaults(func=cmd_compile)
     for name, func, help_text in (("submit", cmd_submit, "start one run"),
                                   ("schedule", cmd_schedule, "create a recurring run")):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline")
+        p = sub.add_parser(name, help=help_text, description=f"{help_text.capitalize()} on Kubeflow Pipelines.",
+                           epilog=AUTH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--host", default=os.environ.get("KFP_HOST"),
+                       help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline (default: $KFP_HOST); "
+                            "omit it in the cluster")
         p.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user installs)")
+        p.add_argument("--existing-token", default=None, metavar="TOKEN",
+                       help=f"bearer token for --host (default: ${TOKEN_ENV}; prefer the variable)")
+        p.add_argument("--cookies", default=None, metavar="COOKIES",
+                       help=f"session cookie header for --host, e.g. 'authservice_session=...' (default: ${COOKIES_ENV})")
+        p.add_argument("--token-path", default=None,
+                       help="in-cluster: the projected Pipelines token file (default: $KF_PIPELINES_SA_TOKEN_PATH "
+                            "or /var/run/secrets/kubeflow/pipelines/token)")
+        p.add_argument("--kfp-namespace", default=KFP_SYSTEM_NAMESPACE,
+                       help="in-cluster: the namespace KFP is installed in (default: kubeflow)")
         group = p.add_mutually_exclusive_group()
         group.add_argument("--experiment", default="resilient-train", help="experiment name (created if missing)")
         group.add_argument("--experiment-id", default=None, help="an existing experiment's id")
         p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a pipeline parameter")
         p.add_argument("--params-file", default=None, help="JSON object of pipeline parameters")
-        p.add_argument("--package", default=None, help="a compiled pipeline.yaml (default: compile now)")
-        p.add_argument("--service-account", default=SERVICE_ACCOUNT)
+        p.add_argument("--package", default=None,
+                       help="a compiled pipeline.yaml (default: compile now for --param image=...)")
+        p.add_argument("--service-account", default=SERVICE_ACCOUNT,
+                       help=f"the runs' ServiceAccount (default: {SERVICE_ACCOUNT}, see deploy/README.md)")
         p.set_defaults(func=func)
         if name == "submit":
             p.add_argument("--run-name", default=None)
@@ -175,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (CliError, ParamError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, KfpUnreachable) else 2
 
 
 if __name__ == "__main__":

@@ -4,7 +4,13 @@ Recovery policy at this level: the train step retries (``set_retry``) and, becau
 the run id, a retry resumes from the run's latest checkpoint; an exit handler removes the training job or
 local processes however the run ends. Steps with side effects on shared storage never come from the cache.
 `make_pipeline` builds the DAG with a retry policy: `training_pipeline` (cluster: backoff of minutes, a
-retry window of days) and `local_pipeline` (seconds, for ``kfp.local``).
+retry window of days) and `local_pipeline` (seconds, for ``kfp.local``); ``python -m pipelines.compile``
+builds it with the image, pull secrets and version stamp of the deployment (`Build`).
+
+Placement: the train step is a long-running CPU pod that only launches and watches the PyTorchJob, so it
+gets no GPU node selector or toleration (only ``launcher_node_selector``); the PyTorchJob's pods get
+``node_selector``/``tolerations`` from the launcher (``components/lib/pytorchjob.py``). Evaluation gets
+resource requests (``eval_cpu``, ``eval_memory``, ``eval_gpus``) and the tolerations, since it may use a GPU.
 """
 
 from dataclasses import dataclass
@@ -19,6 +25,9 @@ from components.train import train
 from components.validate import validate_params
 
 PIPELINE_NAME = "resilient-train"
+GPU_RESOURCE = "nvidia.com/gpu"
+#: The train step's own pod: it runs the launcher (API calls, log streaming), not the training.
+LAUNCHER_CPU, LAUNCHER_MEMORY = "250m", "512Mi"
 LAUNCHER_CONFIG_MAP = "train-launcher-config"  # deploy/base/launcher-config.yaml
 LAUNCHER_CONFIG_KEYS = {"KUEUE_QUEUE_NAME": "KUEUE_QUEUE_NAME"}
 
@@ -38,6 +47,20 @@ CLUSTER_RETRY = RetryPolicy(num_retries=3, backoff_duration="300s", backoff_fact
                             backoff_max_duration=f"{7 * 24 * 3600}s")
 LOCAL_RETRY = RetryPolicy(num_retries=2, backoff_duration="1s", backoff_factor=1.0, backoff_max_duration="60s")
 
+
+
+@dataclass(frozen=True)
+class Build:
+    """What ``pipelines.compile`` bakes into the YAML for one deployment."""
+
+    image: str = ""
+    """Default of the ``image`` parameter (every step and the training pods run it)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Pull secrets of every step's pod, and the default of the ``image_pull_secrets`` parameter."""
+    version: str = ""
+    """The build stamp (`components.lib.version.build_stamp`); "" = unstamped (the first step skips the check)."""
+
+
 DESCRIPTION = (
     "Resilient LLM training: data prep -> PyTorchJob (FSDP + NVRx in-process / in-job restarts) -> "
     "checkpoint evaluation -> promotion gate. The train step retries and resumes from the run's latest "
@@ -45,14 +68,20 @@ DESCRIPTION = (
 )
 
 
-def _docstring() -> str:
-    lines = [DESCRIPTION, "", "Args:"]
+def _description(build: Build) -> str:
+    if not build.version:
+        return DESCRIPTION
+    return f"{DESCRIPTION} Built from resilient-train {build.version} for image {build.image or '(unset)'}."
+
+
+def _docstring(build: Build) -> str:
+    lines = [_description(build), "", "Args:"]
     lines += [f"    {name}: {doc}" for name, doc in descriptions().items()]
     return "\n".join(lines)
 
 
-def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
-    """The pipeline with ``retry`` on its train step."""
+def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = Build()):
+    """The pipeline with ``retry`` on its train step, for the image and version of `build`."""
 
     def pipeline(
         model: str = DEFAULTS.model,
@@ -75,12 +104,17 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
         workdir: str = DEFAULTS.workdir,
         pvc_name: str = DEFAULTS.pvc_name,
         namespace: str = DEFAULTS.namespace,
-        image: str = DEFAULTS.image,
+        image: str = build.image,
+        image_pull_secrets: list = list(build.image_pull_secrets),
         node_selector: dict = DEFAULTS.node_selector,
         tolerations: list = DEFAULTS.tolerations,
+        launcher_node_selector: dict = DEFAULTS.launcher_node_selector,
         trainer_overrides: list = DEFAULTS.trainer_overrides,
         eval_batch_size: int = DEFAULTS.eval_batch_size,
         eval_max_batches: int = DEFAULTS.eval_max_batches,
+        eval_cpu: str = DEFAULTS.eval_cpu,
+        eval_memory: str = DEFAULTS.eval_memory,
+        eval_gpus: int = DEFAULTS.eval_gpus,
         promoted_registry: str = DEFAULTS.promoted_registry,
         min_improvement: float = DEFAULTS.min_improvement,
         deadline_hours: float = DEFAULTS.deadline_hours,
@@ -92,12 +126,15 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
             """Every step runs the trainer image and sees the shared PVC (kfp.local ignores both)."""
             task.set_container_image(image)
             kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=SHARED_MOUNT)
+            if build.image_pull_secrets:
+                kubernetes.set_image_pull_secrets(task, list(build.image_pull_secrets))
             return task
 
         final = on_cluster(cleanup(backend=backend, workdir=workdir, namespace=namespace, run_id=run_id))
         final.set_caching_options(False).set_display_name("clean up training job")
         with dsl.ExitHandler(final, name="train-and-evaluate"):
-            check = on_cluster(validate_params(**params)).set_display_name("validate parameters")
+            check = on_cluster(validate_params(**params, compiled_version=build.version))
+            check.set_display_name("validate parameters")
 
             data = on_cluster(data_prep(corpus=corpus, vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes,
                                         workdir=workdir, run_id=run_id, init_from=init_from, model=model,
@@ -109,8 +146,9 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
             trained.set_retry(num_retries=retry.num_retries, backoff_duration=retry.backoff_duration,
                               backoff_factor=retry.backoff_factor, backoff_max_duration=retry.backoff_max_duration)
             kubernetes.use_config_map_as_env(trained, LAUNCHER_CONFIG_MAP, LAUNCHER_CONFIG_KEYS, optional=True)
-            kubernetes.add_node_selector_json(trained, node_selector)
-            kubernetes.add_toleration_json(trained, tolerations)
+            # A CPU pod for days: never the GPU selector or tolerations (those go to the PyTorchJob's pods).
+            kubernetes.add_node_selector_json(trained, launcher_node_selector)
+            trained.set_cpu_request(LAUNCHER_CPU).set_memory_request(LAUNCHER_MEMORY)
 
             gate = on_cluster(evaluate_checkpoint(
                 checkpoint=trained.outputs["checkpoint"], dataset=data.outputs["dataset"], run_id=run_id,
@@ -118,6 +156,9 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
                 eval_batch_size=eval_batch_size, eval_max_batches=eval_max_batches,
                 min_improvement=min_improvement))
             gate.set_caching_options(False).set_display_name("evaluate checkpoint")
+            gate.set_cpu_request(eval_cpu).set_memory_request(eval_memory)
+            gate.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(eval_gpus)
+            kubernetes.add_toleration_json(gate, tolerations)
 
             # The gate is evaluate_checkpoint's return value ("Output"): kfp.local resolves a condition on
             # a task's Output channel, not on a NamedTuple field.
@@ -126,9 +167,9 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME):
                                             promoted_registry=promoted_registry))
                 record.set_caching_options(False).set_display_name("promote model")
 
-    pipeline.__doc__ = _docstring()
+    pipeline.__doc__ = _docstring(build)
     pipeline.__name__ = name.replace("-", "_")
-    return dsl.pipeline(name=name, description=DESCRIPTION)(pipeline)
+    return dsl.pipeline(name=name, description=_description(build))(pipeline)
 
 
 training_pipeline = make_pipeline(CLUSTER_RETRY)

@@ -187,8 +187,10 @@ class _JobTracker:
         state = job_state(job)
         if state != self.state:
             cond = _true_condition(job, state) or {}
-            log.warning("PyTorchJob %s/%s: %s -> %s (%s: %s)", self.namespace, self.name, self.state, state,
-                        cond.get("reason", "-"), cond.get("message", "-"))
+            # Routine progress (Created, Running, Succeeded) at INFO; a failure or a restart at WARNING.
+            log.log(logging.WARNING if state in (FAILED, RESTARTING) else logging.INFO,
+                    "PyTorchJob %s/%s: %s -> %s (%s: %s)", self.namespace, self.name, self.state, state,
+                    cond.get("reason", "-"), cond.get("message", "-"))
             self.state = state
         restarting = _true_condition(job, RESTARTING)
         mark = str(restarting.get("lastTransitionTime")) if restarting else None
@@ -378,7 +380,7 @@ class PyTorchJobLauncher:
                 raise
         result = JobResult(spec.name, spec.namespace, tracker.state, tracker.restarts,
                            time.monotonic() - started, tracker.conditions)
-        log.warning("PyTorchJob %s/%s succeeded after %.0f s with %d restart(s)", spec.namespace, spec.name,
+        log.info("PyTorchJob %s/%s succeeded after %.0f s with %d restart(s)", spec.namespace, spec.name,
                     result.duration_s, result.restarts)
         return result
 
@@ -393,7 +395,7 @@ class PyTorchJobLauncher:
                 log.info("PyTorchJob %s/%s is already gone", namespace, name)
                 return False
             raise
-        log.warning("deleted PyTorchJob %s/%s (foreground: its pods go first)", namespace, name)
+        log.info("deleted PyTorchJob %s/%s (foreground: its pods go first)", namespace, name)
         return True
 
     def _delete_quietly(self, name: str, namespace: str) -> None:
@@ -413,7 +415,7 @@ class PyTorchJobLauncher:
                 raise
             raise InvalidJobError(f"the API server refused PyTorchJob {meta['namespace']}/{meta['name']}: "
                                   f"HTTP {exc.status} {exc.reason}: {exc.body}") from exc
-        log.warning("created PyTorchJob %s/%s", meta["namespace"], meta["name"])
+        log.info("created PyTorchJob %s/%s", meta["namespace"], meta["name"])
 
     def _submit(self, manifest: Mapping[str, Any], tracker: _JobTracker) -> dict[str, Any] | None:
         """Create the job, or attach to it; return the job if it already succeeded, else None."""
@@ -441,7 +443,7 @@ class PyTorchJobLauncher:
             self._wait_gone(name, namespace)
             self._create(manifest)
             return None
-        log.warning("PyTorchJob %s/%s already exists (%s); attaching to it", namespace, name, state)
+        log.info("PyTorchJob %s/%s already exists (%s); attaching to it", namespace, name, state)
         if state == SUCCEEDED:
             tracker.observe(existing)
             return existing
@@ -503,6 +505,6 @@ class PyTorchJobLauncher:
                 else:
                     raise
             except DISCONNECT_ERRORS as exc:
-                log.warning("watch of %s disconnected (%s); reconnecting from resourceVersion %s", name, exc,
-                            resource_version)
+                log.info("watch of %s disconnected (%s); reconnecting from resourceVersion %s", name, exc,
+                         resource_version)
                 time.sleep(self._t.poll_s)

@@ -20,7 +20,11 @@ FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "co
 INIT_FROM_PROMOTED = "promoted"
 #: Where the pipeline mounts the shared PVC in step pods, and the PyTorchJob in its pods.
 SHARED_MOUNT = "/mnt/shared"
+#: The components' ``base_image``. The pipeline overrides it on every step with its ``image`` parameter, whose
+#: default is the image given to ``python -m pipelines.compile --image`` (there is no built-in default image).
 DEFAULT_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
+#: What data prep can read: local paths and these URI schemes (``components.lib.tokendata``).
+CORPUS_SCHEMES = ("file",)
 #: Trainer keys the pipeline sets itself; overriding them would break resume and the report.
 RESERVED_OVERRIDES = ("train.run_dir", "checkpoint.dir", "data.path", "train.steps", "checkpoint.interval",
                       "checkpoint.init_from", "resiliency.faults", "resiliency.inprocess", "train.device")
@@ -37,6 +41,14 @@ MAX_DEADLINE_HOURS = 24 * 30
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _OVERRIDE = re.compile(r"^--([a-z_]+)\.([a-z_0-9]+)=(.*)$", re.S)
 _FAULT = re.compile(r"^(\d+):(\d+):([a-z_]+)$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
+_URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# An OCI image reference (distribution/reference grammar): [registry[:port]/]path[:tag][@digest].
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?/)?"
+_IMAGE_REF = re.compile(rf"^{_DOMAIN}{_COMPONENT}(?:/{_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+                        r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
+MAX_IMAGE_REF_LEN = 255 + 1 + 128 + 1 + 71  # name, ':' tag, '@sha256:' digest
 
 
 class ParamError(ValueError):
@@ -109,7 +121,8 @@ class PipelineParams:
     init_from: str = ""
     """Warm start: '' (none), 'promoted' (the promoted model's checkpoint) or a checkpoint directory."""
     corpus: str = ""
-    """Corpus directory, text file or file:// URI; empty = the image's Python standard library."""
+    """Corpus directory, text file or file:// URI (on the shared volume); empty = the image's Python
+    standard library."""
     vocab_size: int = 4096
     """Tokenizer vocabulary size (byte-level BPE)."""
     max_corpus_bytes: int = 0
@@ -120,19 +133,33 @@ class PipelineParams:
     """PersistentVolumeClaim mounted at /mnt/shared in every step and training pod (cluster only)."""
     namespace: str = ""
     """Namespace of the PyTorchJob; empty = the namespace the pipeline runs in."""
-    image: str = DEFAULT_IMAGE
-    """Trainer image (holds this project): the training pods and every pipeline step run it."""
+    image: str = ""
+    """Trainer image (holds this project): the training pods and every pipeline step run it. Its default is
+    the image given to `python -m pipelines.compile --image`; required with backend pytorchjob."""
+    image_pull_secrets: list = field(default_factory=list)
+    """Secret names the training pods pull the image with; its default (and the pipeline steps' pull secrets)
+    come from `python -m pipelines.compile --image-pull-secret`."""
     node_selector: dict = field(default_factory=dict)
-    """nodeSelector of the training pods and the evaluation step, e.g. {"nvidia.com/gpu.product": "H100"}."""
+    """nodeSelector of the training pods (the PyTorchJob) only, e.g. {"nvidia.com/gpu.product": "H100"};
+    the pipeline's own steps never get it."""
     tolerations: list = field(default_factory=list)
-    """Tolerations of the training pods and the evaluation step, e.g. [{"key": "nvidia.com/gpu",
-    "operator": "Exists", "effect": "NoSchedule"}]."""
+    """Tolerations of the training pods (the PyTorchJob) and the evaluation step (which may use a GPU),
+    e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]; never the train step."""
+    launcher_node_selector: dict = field(default_factory=dict)
+    """nodeSelector of the train step itself: a long-running CPU pod that only launches and watches the
+    PyTorchJob; empty = any node its (absent) tolerations allow, i.e. not a tainted GPU node."""
     trainer_overrides: list = field(default_factory=list)
     """Extra trainer overrides, each '--section.key=value' (e.g. '--optim.lr=1e-3')."""
     eval_batch_size: int = 8
     """Evaluation batch size (sequences)."""
     eval_max_batches: int = 50
     """Evaluate on at most N validation batches."""
+    eval_cpu: str = "4"
+    """CPU request of the evaluation step (a Kubernetes quantity); it loads the model in one process."""
+    eval_memory: str = "32Gi"
+    """Memory request of the evaluation step: at least the model's weights in fp32 (8b: 32Gi) plus a batch."""
+    eval_gpus: int = 0
+    """GPUs (nvidia.com/gpu) of the evaluation step; 0 evaluates on CPU."""
     promoted_registry: str = ""
     """JSON record of the promoted model (path or file:// URI); empty = <workdir>/promoted-<model>.json."""
     min_improvement: float = 0.0
@@ -165,6 +192,11 @@ class PipelineParams:
         _range(e, "eval_batch_size", self.eval_batch_size, 1, 1 << 16)
         _range(e, "eval_max_batches", self.eval_max_batches, 1, None)
         _range(e, "checkpoint_interval", self.checkpoint_interval, 1, None)
+        _range(e, "eval_gpus", self.eval_gpus, 0, MAX_GPUS_PER_NODE)
+        for name in ("eval_cpu", "eval_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _QUANTITY.fullmatch(value):
+                e.append(f"{name} must be a Kubernetes quantity like '4', '500m', '32Gi'; got {value!r}")
         if _is_int(self.steps) and _is_int(self.checkpoint_interval) and self.checkpoint_interval >= self.steps:
             e.append(f"steps ({self.steps}) must be greater than checkpoint_interval ({self.checkpoint_interval}) "
                      "so a checkpoint is written before the end of training and a restart can resume from it: "
@@ -185,9 +217,30 @@ class PipelineParams:
         if self.promoted_registry and not (self.promoted_registry.startswith(("/", "file://"))):
             e.append(f"promoted_registry must be an absolute path or file:// URI on shared storage (or empty for "
                      f"<workdir>/promoted-<model>.json); got {self.promoted_registry!r}")
+        self._check_corpus(e)
+        self._check_image(e)
         self._check_k8s_fields(e)
         self._check_overrides(e)
         return e
+
+    def _check_corpus(self, e: list[str]) -> None:
+        m = _URI_SCHEME.match(self.corpus)
+        if m and m.group(1).lower() not in CORPUS_SCHEMES:
+            e.append(f"corpus {self.corpus!r}: data prep cannot read {m.group(1)!r} URIs; it reads a local path "
+                     f"(a directory or text file, e.g. on the shared volume) or a URI with scheme "
+                     f"{' or '.join(s + '://' for s in CORPUS_SCHEMES)}: copy the corpus to the volume or mount "
+                     "the bucket, then pass its path")
+
+    def _check_image(self, e: list[str]) -> None:
+        if not isinstance(self.image, str):
+            e.append(f"image must be a string; got {self.image!r}")
+        elif self.image and (len(self.image) > MAX_IMAGE_REF_LEN or not _IMAGE_REF.fullmatch(self.image)):
+            e.append(f"image {self.image!r} is not a valid image reference: expected "
+                     "[registry[:port]/]name[:tag][@sha256:digest] with a lowercase name and no spaces, e.g. "
+                     "registry.example.com/team/resilient-train:0.1.0")
+        if not isinstance(self.image_pull_secrets, list) or not all(
+                isinstance(s, str) and _DNS1123_LABEL.fullmatch(s) for s in self.image_pull_secrets):
+            e.append(f"image_pull_secrets must be a list of Secret names (DNS-1123); got {self.image_pull_secrets!r}")
 
     def _check_backend(self, e: list[str]) -> None:
         if not self.workdir.startswith("/"):
@@ -201,11 +254,13 @@ class PipelineParams:
             if self.workdir.startswith("/") and mount not in PurePosixPath(self.workdir).parents:
                 e.append(f"workdir {self.workdir!r} must be under {SHARED_MOUNT} (the PVC every step and training "
                          f"pod mounts) with backend 'pytorchjob', e.g. {SHARED_MOUNT}/resilient-train")
-            if not _DNS1123_LABEL.match(self.pvc_name or ""):
+            if not _DNS1123_LABEL.fullmatch(self.pvc_name or ""):
                 e.append(f"pvc_name must name an existing PersistentVolumeClaim (DNS-1123); got {self.pvc_name!r}")
-            if not self.image.strip():
-                e.append("image must name the trainer image with backend 'pytorchjob'")
-        if self.namespace and not _DNS1123_LABEL.match(self.namespace):
+            if isinstance(self.image, str) and not self.image.strip():
+                e.append("image must name the trainer image with backend 'pytorchjob': compile with "
+                         "`python -m pipelines.compile --image REGISTRY/resilient-train:TAG` or pass the image "
+                         "parameter")
+        if self.namespace and not _DNS1123_LABEL.fullmatch(self.namespace):
             e.append(f"namespace must be a DNS label or empty (the pipeline's namespace); got {self.namespace!r}")
 
     def _check_faults(self, e: list[str]) -> None:
@@ -224,9 +279,11 @@ class PipelineParams:
                          "inprocess_restart=True or the fault escalates to an in-job restart")
 
     def _check_k8s_fields(self, e: list[str]) -> None:
-        if not isinstance(self.node_selector, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in self.node_selector.items()):
-            e.append(f"node_selector must map label names to string values; got {self.node_selector!r}")
+        for name in ("node_selector", "launcher_node_selector"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in value.items()):
+                e.append(f"{name} must map label names to string values; got {value!r}")
         if not isinstance(self.tolerations, list) or not all(isinstance(t, dict) for t in self.tolerations):
             e.append(f"tolerations must be a list of objects like {{'key': 'nvidia.com/gpu', 'operator': "
                      f"'Exists', 'effect': 'NoSchedule'}}; got {self.tolerations!r}")

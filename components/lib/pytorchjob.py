@@ -131,6 +131,8 @@ class TrainJobSpec:
     secret_env_from: Sequence[str] = ()
     """Names of Secrets whose keys become env vars (envFrom); values never appear in the spec."""
     service_account: str | None = None
+    image_pull_secrets: Sequence[str] = ()
+    """Secrets (docker-registry) the pods pull the image with, for a private registry."""
     image_pull_policy: str = "IfNotPresent"
     active_deadline_seconds: int = DEFAULT_ACTIVE_DEADLINE_S
     """Always set: ExitCode restarts ignore backoffLimit, so this bounds a crash-looping job."""
@@ -189,9 +191,10 @@ def _spec_errors(s: TrainJobSpec) -> list[str]:
         elif env_name in RESERVED_ENV or env_name.startswith(RESERVED_ENV_PREFIX):
             errors.append(f"env {env_name!r} is set by the operator or this module; remove it "
                           f"(use ft_max_restarts for {FT_MAX_RESTARTS_ENV})")
-    for secret in s.secret_env_from:
-        if not _is_subdomain(secret):
-            errors.append(f"secret_env_from entries must be Secret names; got {secret!r}")
+    for field_name in ("secret_env_from", "image_pull_secrets"):
+        values = getattr(s, field_name)
+        if isinstance(values, str) or not all(isinstance(v, str) and _is_subdomain(v) for v in values):
+            errors.append(f"{field_name} must be a list of Secret names; got {values!r}")
     for name in (s.service_account, s.priority_class):
         if name is not None and not _is_subdomain(name):
             errors.append(f"service_account and priority_class must be DNS-1123 names; got {name!r}")
@@ -262,6 +265,7 @@ def _pod_template(spec: TrainJobSpec) -> k8s.V1PodTemplateSpec:
             node_selector=dict(spec.node_selector) or None,
             tolerations=tolerations or None,
             service_account_name=spec.service_account,
+            image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in spec.image_pull_secrets] or None,
             priority_class_name=spec.priority_class,
             # The image runs as this non-root user (trainer_image/Dockerfile); fsGroup makes the shared volume
             # writable for it.

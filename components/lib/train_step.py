@@ -34,6 +34,14 @@ KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+def configure_step_logging() -> None:
+    """Show this project's INFO events (job created, state changes, success) in the step log; the launcher
+    keeps WARNING for failures, restarts and retries."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("components").setLevel(logging.INFO)
+
+
 class TrainStepError(RuntimeError):
     """The train step cannot succeed as configured; the message says why."""
 
@@ -140,7 +148,8 @@ class PyTorchJobBackend:
             name=job_name(layout.run_id, TRAIN_STEP_NAME), image=p.image, args=args, namespace=namespace(p),
             nodes=p.nodes, nproc_per_node=p.procs_per_rank_node, gpus_per_node=p.gpus_per_node,
             pvc_name=p.pvc_name, mount_path=SHARED_MOUNT, node_selector=dict(p.node_selector),
-            tolerations=list(p.tolerations), ft_max_restarts=p.ft_max_restarts,
+            tolerations=list(p.tolerations), image_pull_secrets=list(p.image_pull_secrets),
+            ft_max_restarts=p.ft_max_restarts,
             max_cluster_restarts=p.max_cluster_restarts, active_deadline_seconds=int(p.deadline_hours * 3600),
             labels={KUEUE_LABEL: queue} if queue else {})
 

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("local-dev", "gpu-cluster", "kueue")
 PYTORCHJOB_CRD = REPO / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
+TENSORBOARD_CRD = REPO / "deploy" / "crds" / "tensorboard.kubeflow.org_tensorboards.notebooks-44c97f1.yaml"
 # The oldest Kubernetes we claim to support; kubernetes-validate ships its OpenAPI schemas.
 K8S_VERSION = "1.30.0"
 
@@ -48,12 +49,28 @@ def render(kustomization_dir: Path) -> tuple[dict, ...]:
 
 
 @functools.cache
+def crd_schema(path: Path, version: str) -> dict:
+    """The openAPIV3Schema of `version` in a vendored CRD (deploy/crds/)."""
+    if not path.is_file():
+        pytest.fail(f"CRD schema missing: {path}", pytrace=False)
+    crd = yaml.safe_load(path.read_text())
+    (found,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return found["schema"]["openAPIV3Schema"]
+
+
 def pytorchjob_schema() -> dict:
-    if not PYTORCHJOB_CRD.is_file():
-        pytest.fail(f"PyTorchJob CRD schema missing: {PYTORCHJOB_CRD}", pytrace=False)
-    crd = yaml.safe_load(PYTORCHJOB_CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+    return crd_schema(PYTORCHJOB_CRD, "v1")
+
+
+def validate_custom_resource(obj: dict, schema: dict) -> None:
+    """Raise AssertionError unless `obj` passes the CRD `schema` without fields the API server would prune."""
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.path))
+    assert not errors, f"{obj.get('kind')} fails its CRD schema:\n" + "\n".join(
+        f"  {'.'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors
+    )
+    # metadata is validated by the API server itself, not by the CRD schema.
+    unknown = pruned_fields({k: v for k, v in obj.items() if k != "metadata"}, schema)
+    assert not unknown, f"{obj.get('kind')} has fields the CRD does not define (they would be dropped): {unknown}"
 
 
 def pruned_fields(obj, schema: dict, path: str = "") -> list[str]:
@@ -82,15 +99,7 @@ def pruned_fields(obj, schema: dict, path: str = "") -> list[str]:
 
 def validate_pytorchjob(obj: dict) -> None:
     """Raise AssertionError unless `obj` is a PyTorchJob the v1.9.4 CRD accepts without pruning."""
-    schema = pytorchjob_schema()
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, "PyTorchJob fails the CRD schema:\n" + "\n".join(
-        f"  {'.'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors
-    )
-    # metadata is validated by the API server itself, not by the CRD schema.
-    body = {k: v for k, v in obj.items() if k != "metadata"}
-    unknown = pruned_fields(body, schema)
-    assert not unknown, f"PyTorchJob has fields the CRD does not define (they would be dropped): {unknown}"
+    validate_custom_resource(obj, pytorchjob_schema())
 
 
 def validate_object(obj: dict) -> None:

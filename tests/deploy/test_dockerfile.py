@@ -165,6 +165,25 @@ def test_environment_and_labels(steps):
     assert "org.opencontainers.image.title=" in labels
 
 
+def test_the_image_carries_the_build_stamp_the_pipeline_checks(steps):
+    """ARG VERSION (no default) -> ENV RESILIENT_TRAIN_VERSION (read by components/lib/version.py) and the OCI
+    version label; the build fails without it instead of baking a placeholder."""
+    from components.lib.version import VERSION_ENV, VERSION_LABEL
+
+    stage = final_stage(steps)
+    assert ("ARG", "VERSION") in stage, "VERSION must be a build arg without a default"
+    assert ("ENV", f'{VERSION_ENV}="$VERSION"') in stage
+    assert ("LABEL", f'{VERSION_LABEL}="$VERSION"') in stage
+    (check,) = [a for k, a in stage if k == "RUN" and "$VERSION" in a]
+    def build_step(value: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", "-c", check], env={"VERSION": value, "PATH": os.environ["PATH"]},
+                              capture_output=True, text=True, check=False)
+
+    missing = build_step("")
+    assert missing.returncode != 0 and "--print-version" in missing.stderr
+    assert build_step("0.1.0+7aef037").returncode == 0
+
+
 def dockerignored(path: str, patterns: list[str]) -> bool:
     """Docker's rule: the last pattern matching the path or one of its parent directories wins."""
     parts = path.split("/")

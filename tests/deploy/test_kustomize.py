@@ -22,7 +22,7 @@ def test_overlay_directories_are_the_ones_tested():
 def test_overlay_renders_objects_the_api_server_accepts(overlay):
     objects = render(DEPLOY / "overlays" / overlay)
     kinds = {o["kind"] for o in objects}
-    assert {"ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "ConfigMap"} <= kinds
+    assert {"Role", "RoleBinding", "PersistentVolumeClaim", "ConfigMap"} <= kinds
     for obj in objects:
         validate_object(obj)
     # Namespaced objects all land in one namespace, so the RoleBinding's subject is the ServiceAccount
@@ -32,7 +32,7 @@ def test_overlay_renders_objects_the_api_server_accepts(overlay):
     assert kinds <= NAMESPACED, f"cluster-scoped or unexpected kinds: {kinds - NAMESPACED}"
     binding = the(objects, "RoleBinding", "train-launcher")
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "train-launcher", "namespace": namespaces.pop()}
+        {"kind": "ServiceAccount", "name": "default-editor", "namespace": namespaces.pop()}
     ]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "train-launcher"}
 

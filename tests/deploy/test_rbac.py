@@ -15,6 +15,7 @@ from deploy_checks import DEPLOY, OVERLAYS, REPO, render, the
 
 STUB = REPO / "tests" / "launcher" / "k8s_stub.py"
 CLUSTER_WIDE = {"ClusterRole", "ClusterRoleBinding"}
+RUNS_AS = "default-editor"  # the Kubeflow profile's ServiceAccount that pipeline steps run as
 
 
 def derived_permissions() -> set[tuple[str, str, str]]:
@@ -66,10 +67,24 @@ def test_role_grants_exactly_what_the_launcher_uses(overlay, launcher_needs):
         f"  missing (the launcher would get 403): {sorted(missing)}\n"
         f"  extra (not least privilege): {sorted(extra)}"
     )
-    # Only the launcher's ServiceAccount gets it.
+    # Only the ServiceAccount the pipeline's steps run as gets it: the profile's default-editor.
     assert [b["subjects"] for b in objects if b["kind"] == "RoleBinding"] == [
-        [{"kind": "ServiceAccount", "name": "train-launcher", "namespace": role["metadata"]["namespace"]}]
+        [{"kind": "ServiceAccount", "name": RUNS_AS, "namespace": role["metadata"]["namespace"]}]
     ]
+
+
+def test_runs_are_submitted_as_the_account_the_role_is_bound_to():
+    """The CLI, the notebook and the examples submit runs as the ServiceAccount that gets the launcher's
+    rights; the kustomization does not create it (the Kubeflow Profile owns default-editor, which already
+    has what a KFP v2 step needs)."""
+    from pipelines import cli
+
+    assert cli.SERVICE_ACCOUNT == RUNS_AS
+    objects = render(DEPLOY / "overlays" / "gpu-cluster")
+    assert not [o for o in objects if o["kind"] == "ServiceAccount"], "the profile owns default-editor"
+    for doc in (REPO / "README.md", REPO / "notebooks" / "run_pipeline.ipynb", DEPLOY / "examples" / "recurring-run.md"):
+        text = doc.read_text()
+        assert "train-launcher'" not in text and "--service-account train-launcher" not in text, doc
 
 
 def test_rule_expansion_catches_wildcards_and_extras():

@@ -67,6 +67,7 @@ SPECS = {
                      {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
                       "tolerationSeconds": 30}],
         env={"NCCL_DEBUG": "WARN"}, secret_env_from=["hf-token", "wandb"], service_account="trainer",
+        image_pull_secrets=["regcred", "mirror-cred"],
         image_pull_policy="Always", labels={"kueue.x-k8s.io/queue-name": "team-a-queue"},
         annotations={"example.com/owner": "ml-team"}, priority_class="training-high", ft_max_restarts=5,
         active_deadline_seconds=3600, backoff_limit=0, ttl_seconds_after_finished=600),
@@ -120,6 +121,7 @@ def test_manifest_fields(case: str) -> None:
         assert pod.get("nodeSelector", {}) == dict(spec.node_selector)
         assert pod.get("tolerations", []) == [dict(t) for t in spec.tolerations]
         assert pod.get("serviceAccountName") == spec.service_account
+        assert pod.get("imagePullSecrets", []) == [{"name": n} for n in spec.image_pull_secrets]
         assert pod.get("priorityClassName") == spec.priority_class
         assert spec.labels.items() <= replica["template"]["metadata"]["labels"].items()
     assert spec.labels.items() <= manifest["metadata"]["labels"].items()
@@ -195,7 +197,9 @@ def test_schema_check_catches_wrong_types_and_unknown_fields(validator: jsonsche
     ({"args": "--config x.toml"}, "args must be a list of CLI arguments"),
     ({"active_deadline_seconds": 0}, "active_deadline_seconds must be an integer >= 1"),
     ({"image_pull_policy": "always"}, "image_pull_policy must be one of"),
-    ({"secret_env_from": ["HF_TOKEN=abc"]}, "secret_env_from entries must be Secret names"),
+    ({"secret_env_from": ["HF_TOKEN=abc"]}, "secret_env_from must be a list of Secret names"),
+    ({"image_pull_secrets": "regcred"}, "image_pull_secrets must be a list of Secret names"),
+    ({"image_pull_secrets": ["Reg Cred"]}, "image_pull_secrets must be a list of Secret names"),
     ({"labels": {"kueue.x-k8s.io/queue-name": "bad value"}}, "is not a valid Kubernetes label"),
 ])
 def test_invalid_spec_says_what_to_change(changes: dict[str, Any], message: str) -> None:

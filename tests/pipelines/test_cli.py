@@ -1,11 +1,18 @@
 """``python -m pipelines.cli``: cron and parameter validation, and the kfp.Client calls (a fake client)."""
 
+import http.server
+import socket
+import threading
 from types import SimpleNamespace
 
 import kfp
+import kfp.client
 import pytest
 
 from pipelines import cli
+from pipelines.compile import compile_pipeline
+
+IMAGE = "registry.example.com/team/resilient-train:0.1.0"
 
 
 def test_cron_needs_six_fields_seconds_first():
@@ -16,6 +23,24 @@ def test_cron_needs_six_fields_seconds_first():
         cli.validate_cron("75 0 3 * * *")
     with pytest.raises(cli.CliError, match="six fields"):
         cli.validate_cron("* * *")
+
+
+@pytest.mark.parametrize("cron, field", [
+    ("0 61 3 * * *", "minute"), ("0 0 25 * * *", "hour"), ("0 0 3 32 * *", "day-of-month"),
+    ("0 0 3 0 * *", "day-of-month"), ("0 0 3 * 13 *", "month"), ("0 0 3 * * 7", "day-of-week"),
+    ("0 0-61 3 * * *", "minute"), ("0 */5,70 3 * * *", "minute"), ("60 0 3 * * *", "second"),
+])
+def test_cron_fields_are_range_checked(cron, field):
+    with pytest.raises(cli.CliError, match=f"the {field} field.* must be in"):
+        cli.validate_cron(cron)
+
+
+@pytest.mark.parametrize("cron", ["0 */15 * * * *", "0 0 3 1-31 JAN-DEC MON-FRI", "30 59 23 31 12 6",
+                                  "0 0 3 * * ?", "0 0,30 8-18/2 * * SUN"])
+def test_valid_crons_pass(cron):
+    assert cli.validate_cron(cron) == cron
+    with pytest.raises(cli.CliError, match="neither a number"):
+        cli.validate_cron("0 0 3 * * FUNDAY")
 
 
 def test_params_are_typed_by_the_pipeline():
@@ -30,10 +55,12 @@ def test_params_are_typed_by_the_pipeline():
 
 
 class FakeClient:
+    """Stands in for kfp.Client: records the constructor's arguments and the API calls; no network."""
+
     calls: list = []
 
-    def __init__(self, host, namespace=None):
-        self.calls.append(("init", host, namespace))
+    def __init__(self, **kwargs):
+        self.calls.append(("init", kwargs))
 
     def create_experiment(self, name, namespace=None):
         self.calls.append(("experiment", name))
@@ -52,29 +79,176 @@ class FakeClient:
 def fake_client(monkeypatch):
     FakeClient.calls = []
     monkeypatch.setattr(kfp, "Client", FakeClient)
+    for name in ("KFP_HOST", cli.TOKEN_ENV, cli.COOKIES_ENV, cli.IN_CLUSTER_ENV, kfp.client.KF_PIPELINES_SA_TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
     return FakeClient.calls
+
+
+def client_kwargs(calls) -> dict:
+    (kwargs,) = [c[1] for c in calls if c[0] == "init"]
+    return kwargs
 
 
 def test_submit_validates_then_submits(fake_client, capsys):
     assert cli.main(["submit", "--host", "http://kfp", "--param", "steps=10", "--param",
-                     "checkpoint_interval=20"]) == 2
+                     "checkpoint_interval=20", "--param", f"image={IMAGE}"]) == 2
     assert "steps (10) must be greater than checkpoint_interval (20)" in capsys.readouterr().err
     assert fake_client == []  # nothing reached the cluster
-    assert cli.main(["submit", "--host", "http://kfp", "--experiment", "e", "--param", "steps=100"]) == 0
+    assert cli.main(["submit", "--host", "http://kfp", "--experiment", "e", "--param", "steps=100",
+                     "--param", f"image={IMAGE}"]) == 0
     (_, pkg, kw) = next(c for c in fake_client if c[0] == "run")
-    assert pkg.endswith("pipeline.yaml") and kw["arguments"] == {"steps": 100}
-    assert kw["experiment_id"] == "exp-1" and kw["service_account"] == "train-launcher"
+    assert pkg.endswith("pipeline.yaml") and kw["arguments"] == {"steps": 100, "image": IMAGE}
+    assert kw["experiment_id"] == "exp-1" and kw["service_account"] == "default-editor"
+
+
+def test_submit_without_an_image_says_how_to_give_one(fake_client, capsys):
+    assert cli.main(["submit", "--host", "http://kfp"]) == 2
+    assert "image must name the trainer image" in capsys.readouterr().err and fake_client == []
+
+
+def test_a_compiled_package_supplies_its_image(fake_client, tmp_path):
+    package = compile_pipeline(tmp_path / "p.yaml", image=IMAGE, version="0.0.0+test")
+    assert cli.package_defaults(str(package))["image"] == IMAGE
+    assert cli.main(["submit", "--host", "http://kfp", "--package", str(package), "--param", "steps=100"]) == 0
+    (_, pkg, kw) = next(c for c in fake_client if c[0] == "run")
+    assert pkg == str(package) and kw["arguments"] == {"steps": 100}
 
 
 def test_schedule_creates_a_recurring_run(fake_client):
     assert cli.main(["schedule", "--host", "http://kfp", "--experiment", "nightly", "--cron", "0 0 3 * * *",
-                     "--name", "nightly-train", "--param", "init_from=promoted"]) == 0
+                     "--name", "nightly-train", "--param", "init_from=promoted", "--param", f"image={IMAGE}"]) == 0
     (_, kw) = next(c for c in fake_client if c[0] == "recurring")
     assert kw["cron_expression"] == "0 0 3 * * *" and kw["job_name"] == "nightly-train"
-    assert kw["max_concurrency"] == 1 and kw["no_catchup"] is True and kw["params"] == {"init_from": "promoted"}
+    assert kw["max_concurrency"] == 1 and kw["no_catchup"] is True
+    assert kw["params"] == {"init_from": "promoted", "image": IMAGE}
     assert kw["experiment_id"] == "exp-1"
+
+
+# --- authentication: the arguments kfp.Client gets, checked with KFP's own credential classes -------------
+
+def bearer(kwargs: dict) -> str:
+    """The Authorization header the real kfp.Client sends with these arguments (built offline: a namespace
+    is given, so the constructor makes no request; the header is computed as before every request)."""
+    with pytest.warns(FutureWarning):
+        client = kfp.client.Client(**kwargs)
+    return client._existing_config.get_api_key_with_prefix("authorization")
+
+
+def submit(*extra: str) -> int:
+    return cli.main(["submit", "--namespace", "team-a", "--param", f"image={IMAGE}", *extra])
+
+
+def test_in_cluster_without_host_uses_the_pods_pipelines_token(fake_client, monkeypatch, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("projected-sa-token\n")
+    monkeypatch.setenv(cli.IN_CLUSTER_ENV, "10.0.0.1")
+    monkeypatch.setenv(kfp.client.KF_PIPELINES_SA_TOKEN_ENV, str(token))
+    assert submit() == 0
+    kwargs = client_kwargs(fake_client)
+    assert kwargs["host"] == "http://ml-pipeline.kubeflow.svc.cluster.local:8888"
+    assert kwargs["namespace"] == "team-a" and "existing_token" not in kwargs
+    credentials = kwargs["credentials"]
+    assert isinstance(credentials, kfp.client.ServiceAccountTokenVolumeCredentials)
+    assert bearer(kwargs) == "Bearer projected-sa-token"
+    # another token file and another KFP namespace
+    other = tmp_path / "other"
+    other.write_text("t2")
+    fake_client.clear()
+    assert submit("--token-path", str(other), "--kfp-namespace", "kfp") == 0
+    kwargs = client_kwargs(fake_client)
+    assert kwargs["host"] == "http://ml-pipeline.kfp.svc.cluster.local:8888"
+    assert bearer(kwargs) == "Bearer t2"
+
+
+def test_in_cluster_without_a_mounted_token_says_what_to_enable(fake_client, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(cli.IN_CLUSTER_ENV, "10.0.0.1")
+    assert submit("--token-path", str(tmp_path / "missing")) == 2
+    err = capsys.readouterr().err
+    assert "Allow access to Kubeflow Pipelines" in err and str(tmp_path / "missing") in err
+    assert fake_client == []
+
+
+def test_laptop_token_and_cookies(fake_client, monkeypatch, capsys):
+    monkeypatch.setenv(cli.TOKEN_ENV, "tok-from-env")
+    assert submit("--host", "https://kf.example.com/pipeline") == 0
+    kwargs = client_kwargs(fake_client)
+    assert kwargs == {"host": "https://kf.example.com/pipeline", "existing_token": "tok-from-env",
+                      "namespace": "team-a"}
+    assert bearer(kwargs) == "Bearer tok-from-env"
+    monkeypatch.delenv(cli.TOKEN_ENV)
+    fake_client.clear()
+    assert submit("--host", "https://kf.example.com/pipeline", "--cookies", "authservice_session=abc") == 0
+    assert client_kwargs(fake_client)["cookies"] == "authservice_session=abc"
+    fake_client.clear()
+    assert submit("--host", "https://kf", "--cookies", "a=b", "--existing-token", "t") == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_no_host_outside_a_cluster_asks_for_one(fake_client, capsys):
+    assert submit() == 2
+    assert "pass --host" in capsys.readouterr().err
+    assert submit("--existing-token", "t") == 2
+    assert "need --host" in capsys.readouterr().err
+    assert fake_client == []
+
+
+def test_help_explains_both_ways_to_authenticate(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["submit", "--help"])
+    out = capsys.readouterr().out
+    for needle in ("in the cluster", "ServiceAccountTokenVolumeCredentials", "Allow access to Kubeflow Pipelines",
+                   "from a laptop", "KFP_TOKEN", "--existing-token", "KFP_COOKIES", "create token default-editor"):
+        assert needle in out, needle
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_host_is_one_clear_line(monkeypatch, capsys):
+    for name in ("KFP_HOST", cli.TOKEN_ENV, cli.COOKIES_ENV):
+        monkeypatch.delenv(name, raising=False)
+    host = f"http://127.0.0.1:{closed_port()}"
+    assert cli.main(["schedule", "--host", host, "--namespace", "team-a", "--cron", "0 0 3 * * *",
+                     "--name", "n", "--param", f"image={IMAGE}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"cannot reach Kubeflow Pipelines at {host}" in err and "check the URL" in err
 
 
 def test_schedule_rejects_a_unix_cron_before_connecting(fake_client, capsys):
     assert cli.main(["schedule", "--host", "http://kfp", "--cron", "0 3 * * *", "--name", "n"]) == 2
     assert fake_client == [] and "six" in capsys.readouterr().err
+
+
+class Refusing(http.server.BaseHTTPRequestHandler):
+    """A KFP API that answers every request 401, as Kubeflow's gateway does without valid credentials."""
+
+    def _refuse(self):
+        self.send_response(401, "Unauthorized")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "unauthorized"}')
+
+    do_GET = do_POST = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+def test_refused_credentials_are_one_clear_line(monkeypatch, capsys):
+    for name in ("KFP_HOST", cli.COOKIES_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cli.TOKEN_ENV, "expired-token")
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert cli.main(["submit", "--host", host, "--namespace", "team-a", "--param", f"image={IMAGE}"]) == 1
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{host} refused the request (HTTP 401" in err and "KFP_TOKEN" in err

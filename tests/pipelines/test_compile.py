@@ -4,6 +4,7 @@ Regenerate the golden file on purpose with ``UPDATE_GOLDEN=1 pytest tests/pipeli
 """
 
 import ast
+import subprocess
 import sys
 import difflib
 import os
@@ -13,12 +14,16 @@ import pytest
 import yaml
 
 from components.lib.params import PipelineParams
+from components.lib.version import package_version
 from pipelines.compile import compile_pipeline, main
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 GOLDEN = HERE / "golden" / "training_pipeline.yaml"
 VOLATILE = ("sdkVersion:",)
+IMAGE = "registry.example.com/team/resilient-train:0.1.0"
+PULL_SECRET = "regcred"
+VERSION = "0.1.0+golden"
 
 
 def normalized(text: str) -> str:
@@ -27,7 +32,8 @@ def normalized(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> tuple[str, dict, dict]:
-    path = compile_pipeline(tmp_path_factory.mktemp("c") / "pipeline.yaml")
+    path = compile_pipeline(tmp_path_factory.mktemp("c") / "pipeline.yaml", image=IMAGE,
+                            image_pull_secrets=[PULL_SECRET], version=VERSION)
     text = path.read_text()
     spec, platform = list(yaml.safe_load_all(text))
     return text, spec, platform
@@ -92,13 +98,61 @@ def test_kubernetes_config_where_it_belongs(compiled):
         assert cfg["pvcMount"][0]["mountPath"] == "/mnt/shared", name
         assert cfg["pvcMount"][0]["pvcNameParameter"]["componentInputParameter"] in ("pvc_name",
                                                                                      "pipelinechannel--pvc_name")
+        assert cfg["imagePullSecret"] == [{"secretName": PULL_SECRET,
+                                           "secretNameParameter": {"runtimeValue": {"constant": PULL_SECRET}}}], name
     train = executors["exec-train"]
-    assert train["nodeSelector"] == {"nodeSelectorJson": {"componentInputParameter": "pipelinechannel--node_selector"}}
-    assert train["tolerations"] == [{"tolerationJson": {"componentInputParameter": "pipelinechannel--tolerations"}}]
     assert train["configMapAsEnv"][0]["configMapName"] == "train-launcher-config"
     assert train["configMapAsEnv"][0]["optional"] is True
-    others = [cfg for name, cfg in executors.items() if name != "exec-train"]
-    assert not any("nodeSelector" in cfg or "tolerations" in cfg for cfg in others)
+
+
+def test_the_launcher_step_stays_on_cpu_nodes(compiled):
+    """The train step only launches and watches the PyTorchJob for days: never a GPU selector, toleration or
+    GPU; the GPU node selector and tolerations go to the training pods (tests/pipelines/test_train_step.py)."""
+    train = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train"]
+    assert train["nodeSelector"] == {
+        "nodeSelectorJson": {"componentInputParameter": "pipelinechannel--launcher_node_selector"}}
+    assert "tolerations" not in train
+    resources = compiled[1]["deploymentSpec"]["executors"]["exec-train"]["container"]["resources"]
+    assert "accelerator" not in resources
+    assert resources["resourceCpuRequest"] == "250m" and resources["resourceMemoryRequest"] == "512Mi"
+    platform = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    uses = [name for name, cfg in platform.items() if "pipelinechannel--node_selector" in str(cfg)]
+    assert uses == [], f"the training pods' node_selector reaches pipeline steps: {uses}"
+
+
+def test_evaluation_has_requests_and_may_use_a_gpu(compiled):
+    resources = compiled[1]["deploymentSpec"]["executors"]["exec-evaluate-checkpoint"]["container"]["resources"]
+    assert resources["resourceCpuRequest"] == "{{$.inputs.parameters['pipelinechannel--eval_cpu']}}"
+    assert resources["resourceMemoryRequest"] == "{{$.inputs.parameters['pipelinechannel--eval_memory']}}"
+    assert resources["accelerator"] == {"resourceCount": "{{$.inputs.parameters['pipelinechannel--eval_gpus']}}",
+                                        "resourceType": "nvidia.com/gpu", "type": "nvidia.com/gpu"}
+    evaluate = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-evaluate-checkpoint"]
+    assert evaluate["tolerations"] == [
+        {"tolerationJson": {"componentInputParameter": "pipelinechannel--tolerations"}}]
+    params = compiled[1]["root"]["inputDefinitions"]["parameters"]
+    assert params["eval_cpu"]["defaultValue"] == PipelineParams().eval_cpu
+    assert params["eval_memory"]["defaultValue"] == PipelineParams().eval_memory
+
+
+def test_image_and_version_are_stamped(compiled):
+    spec = compiled[1]
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["image"]["defaultValue"] == IMAGE
+    assert params["image_pull_secrets"]["defaultValue"] == [PULL_SECRET]
+    assert f"Built from resilient-train {VERSION} for image {IMAGE}" in spec["pipelineInfo"]["description"]
+    check = tasks(spec)["validate-params"]["inputs"]["parameters"]["compiled_version"]
+    assert check == {"runtimeValue": {"constant": VERSION}}
+    assert "ghcr.io" not in compiled[0], "a placeholder image is baked into the YAML"
+
+
+def test_compile_needs_an_image_and_rejects_a_bad_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("IMAGE", raising=False)
+    assert main(["--out", str(tmp_path / "p.yaml")]) == 2
+    assert "pass --image" in capsys.readouterr().err and not (tmp_path / "p.yaml").exists()
+    assert main(["--out", str(tmp_path / "p.yaml"), "--image", "my image:latest"]) == 2
+    assert "not a valid image reference" in capsys.readouterr().err
+    assert main(["--print-version"]) == 0
+    assert capsys.readouterr().out.startswith(package_version())
 
 
 def test_every_step_runs_the_image_parameter(compiled):
@@ -121,7 +175,7 @@ def test_components_take_every_parameter():
     from components.validate import validate_params
 
     fields = set(PipelineParams.__dataclass_fields__)
-    assert set(validate_params.component_spec.inputs) == fields
+    assert set(validate_params.component_spec.inputs) == fields | {"compiled_version"}
     assert set(train.component_spec.inputs) == fields | {"run_id", "dataset"}
 
 
@@ -144,5 +198,32 @@ def test_rooms_import_only_what_they_may():
 
 
 def test_compile_cli_writes_yaml(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "x" / "p.yaml")]) == 0
-    assert yaml.safe_load_all((tmp_path / "x" / "p.yaml").read_text())
+    assert main(["--out", str(tmp_path / "x" / "p.yaml"), "--image", IMAGE]) == 0
+    spec, _ = yaml.safe_load_all((tmp_path / "x" / "p.yaml").read_text())
+    assert spec["root"]["inputDefinitions"]["parameters"]["image"]["defaultValue"] == IMAGE
+
+
+def make(*args: str) -> subprocess.CompletedProcess:
+    """``make ARGS`` in the repository with this interpreter, without re-running ``make setup``."""
+    return subprocess.run(["make", "-C", str(REPO), "-o", ".venv/.installed", f"PY={sys.executable}", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_make_compile_writes_the_pipeline_for_an_image(tmp_path):
+    out = tmp_path / "p.yaml"
+    done = make("compile", f"IMAGE={IMAGE}", f"PULL_SECRET={PULL_SECRET}", f"PIPELINE={out}")
+    assert done.returncode == 0, done.stderr
+    spec, platform = yaml.safe_load_all(out.read_text())
+    assert spec["root"]["inputDefinitions"]["parameters"]["image"]["defaultValue"] == IMAGE
+    assert "imagePullSecret" in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train"]
+    missing = make("compile", "IMAGE=", f"PIPELINE={tmp_path / 'q.yaml'}")
+    assert missing.returncode != 0 and "set IMAGE=" in missing.stderr and not (tmp_path / "q.yaml").exists()
+
+
+def test_make_bench_runs_the_documented_benchmark():
+    dry = make("-n", "bench")
+    assert dry.returncode == 0, dry.stderr
+    command = " ".join(dry.stdout.replace("\\\n", " ").split())
+    documented = "bench/checkpoint_bench.py --config tiny --model.vocab_size=2048 --saves 3 --steps 20 --every 5"
+    assert documented in command and documented in (REPO / "BENCHMARKS.md").read_text()
+    assert (REPO / "bench" / "checkpoint_bench.py").is_file()

@@ -14,13 +14,13 @@ from components.validate import validate_params
 
 
 def all_params(**kw):
-    return {**PipelineParams().__dict__, **kw}
+    return {**PipelineParams(image="registry.example.com/team/resilient-train:0.1.0").__dict__, **kw}
 
 
 def test_validate_params_fails_with_the_fix():
-    assert "tiny x 400 steps" in validate_params.python_func(**all_params())
+    assert "tiny x 400 steps" in validate_params.python_func(**all_params(), compiled_version="")
     with pytest.raises(ParamError, match="lower checkpoint_interval or raise steps"):
-        validate_params.python_func(**all_params(steps=10, checkpoint_interval=10))
+        validate_params.python_func(**all_params(steps=10, checkpoint_interval=10), compiled_version="")
 
 
 def test_data_prep_writes_shards_to_the_run_and_the_manifest_to_the_artifact(tmp_path):

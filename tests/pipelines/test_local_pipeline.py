@@ -6,16 +6,33 @@ import pytest
 
 from components.lib.layout import RunLayout
 from components.lib.report import read_jsonl, summarize_ledger
-from pipelines.demo import demo_params, format_summary, run_local, summarize
+from pipelines.demo import STEPS, format_summary, main, summarize
+
+MAX_TERMINAL_LINES = 120  # progress, recovery events, task outcomes, the summary (~80 lines; ~900 before); the rest is logged
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_pipeline_recovers_at_every_layer(tmp_path):
-    params = demo_params(tmp_path / "work")
-    run_root = run_local(params, tmp_path / "kfp")  # raises if the pipeline failed
+def test_pipeline_recovers_at_every_layer(tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv("RESILIENT_TRAIN_LOG_ECHO", raising=False)
+    assert main(["--root", str(tmp_path)]) == 0  # `make demo`
+    terminal = capfd.readouterr().out
+    (run_root,) = [p for p in (tmp_path / "work").iterdir() if p.is_dir()]
     layout = RunLayout(run_root.parent, run_root.name)
+    params = {"steps": STEPS}
+
+    # What the person at the terminal sees: progress, the three recovery events, the summary; not the JSON.
+    lines = terminal.splitlines()
+    assert len(lines) <= MAX_TERMINAL_LINES, terminal
+    assert "executor_input" not in terminal and '"parameterValues"' not in terminal
+    for needle in ("[train] step", "injecting fault exception", "injecting fault sigkill", "injecting fault sigterm",
+                   "finished with status FAILURE", f"demo run {layout.run_id} finished", "goodput"):
+        assert needle in terminal, needle
+    (log,) = (tmp_path / "logs").glob("demo-*.log")
+    assert f"full log     {log}" in terminal
+    logged = log.read_text()
+    assert "executor_input" in logged and len(logged.splitlines()) > 5 * len(lines)
 
     ledger, _ = read_jsonl(layout.run_dir / "recovery.jsonl")
     restarts = summarize_ledger(ledger)["restarts"]

@@ -1,13 +1,18 @@
 """The notebook runs top to bottom against the local runner (the cluster cell is skipped without KFP_HOST)."""
 
-import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import kfp
+import kfp.client
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from pipelines import cli
+
 REPO = Path(__file__).resolve().parents[2]
+NOTEBOOK = REPO / "notebooks" / "run_pipeline.ipynb"
 
 
 @pytest.mark.slow
@@ -15,11 +20,62 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_notebook_runs_locally(tmp_path, monkeypatch):
     monkeypatch.delenv("KFP_HOST", raising=False)
+    monkeypatch.delenv(cli.IN_CLUSTER_ENV, raising=False)
     monkeypatch.setenv("NOTEBOOK_RUN_ROOT", str(tmp_path))
     monkeypatch.setenv("NOTEBOOK_STEPS", "30")
-    nb = nbformat.read(REPO / "notebooks" / "run_pipeline.ipynb", as_version=4)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=800, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
     assert "compiled" in outputs and "val loss" in outputs and "HTML report:" in outputs
     assert "KFP_HOST is not set" in outputs
     assert (tmp_path / "pipeline.yaml").exists()
+
+
+class RecordingClient:
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        self.calls.append(("init", kwargs))
+
+    def create_experiment(self, name, namespace=None):
+        return SimpleNamespace(experiment_id="exp-1")
+
+    def create_run_from_pipeline_package(self, pipeline_file, **kwargs):
+        self.calls.append(("run", kwargs))
+        return SimpleNamespace(run_id="run-1")
+
+
+def run_cluster_cells(monkeypatch, tmp_path, env: dict[str, str]) -> list:
+    """The notebook's set-up cell and its cluster cell, against a recording kfp.Client."""
+    RecordingClient.calls = []
+    monkeypatch.setattr(kfp, "Client", RecordingClient)
+    for name in ("KFP_HOST", cli.TOKEN_ENV, cli.COOKIES_ENV, cli.IN_CLUSTER_ENV, "KFP_NAMESPACE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NOTEBOOK_RUN_ROOT", str(tmp_path))
+    monkeypatch.setenv("IMAGE", "registry.example.com/team/resilient-train:0.1.0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+    scope: dict = {}
+    exec(code[0], scope)  # noqa: S102 - the notebook's own cells
+    exec(code[-1], scope)  # noqa: S102
+    return RecordingClient.calls
+
+
+def test_notebook_submits_from_a_laptop_with_a_token(monkeypatch, tmp_path):
+    calls = run_cluster_cells(monkeypatch, tmp_path, {"KFP_HOST": "https://kf.example.com/pipeline",
+                                                      cli.TOKEN_ENV: "tok", "KFP_NAMESPACE": "team-a"})
+    assert calls[0] == ("init", {"host": "https://kf.example.com/pipeline", "existing_token": "tok",
+                                 "namespace": "team-a"})
+    run = calls[1][1]
+    assert run["service_account"] == "default-editor" and run["arguments"]["model"] == "1b"
+
+
+def test_notebook_in_a_kubeflow_pod_uses_its_pipelines_token(monkeypatch, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("sa-token")
+    calls = run_cluster_cells(monkeypatch, tmp_path, {cli.IN_CLUSTER_ENV: "10.0.0.1",
+                                                      kfp.client.KF_PIPELINES_SA_TOKEN_ENV: str(token)})
+    kwargs = calls[0][1]
+    assert kwargs["host"] == cli.IN_CLUSTER_HOST.format(namespace="kubeflow")
+    assert isinstance(kwargs["credentials"], kfp.client.ServiceAccountTokenVolumeCredentials)

@@ -10,8 +10,12 @@ def errors(**kw) -> str:
     return "\n".join(PipelineParams(**kw).errors())
 
 
+IMAGE = "registry.example.com/team/resilient-train:0.1.0"
+
+
 def test_defaults_and_demo_are_valid(tmp_path):
-    DEFAULTS.validate()
+    PipelineParams(image=IMAGE).validate()  # pipelines.compile --image supplies the image's default
+    assert "pipelines.compile --image" in "\n".join(DEFAULTS.errors())  # no placeholder image
     params = demo_params(tmp_path / "work")
     assert {f.kind for f in parse_faults(params["faults"])} == {"exception", "sigkill", "sigterm"}
 
@@ -38,6 +42,18 @@ def test_steps_must_exceed_checkpoint_interval():
     ({"tolerations": [{"key": "a", "effects": "NoSchedule"}]}, "unknown key(s) ['effects']"),
     ({"init_from": "relative/dir"}, "init_from must be"),
     ({"steps": True}, "steps must be an integer"),
+    ({"image": "registry.example.com/my image:1"}, "is not a valid image reference"),
+    ({"image": "registry.example.com/team/img:1\n"}, "is not a valid image reference"),
+    ({"image": "Registry/Team/Img"}, "is not a valid image reference"),
+    ({"image": "img:bad tag"}, "is not a valid image reference"),
+    ({"image_pull_secrets": ["Reg Cred"]}, "image_pull_secrets must be a list of Secret names"),
+    ({"corpus": "s3://bucket/corpus"}, "data prep cannot read 's3' URIs"),
+    ({"corpus": "gs://bucket/corpus"}, "scheme file://"),
+    ({"corpus": "https://example.com/c.txt"}, "copy the corpus to the volume"),
+    ({"eval_memory": "32 GB"}, "eval_memory must be a Kubernetes quantity"),
+    ({"eval_cpu": ""}, "eval_cpu must be a Kubernetes quantity"),
+    ({"eval_gpus": -1}, "eval_gpus must be 0..16"),
+    ({"launcher_node_selector": {"pool": 1}}, "launcher_node_selector must map label names to string values"),
 ])
 def test_bad_parameter_names_the_fix(kw, expected):
     assert expected in errors(**kw)
@@ -53,3 +69,16 @@ def test_all_errors_are_reported_together():
 def test_unknown_parameter_lists_the_known_ones():
     with pytest.raises(ParamError, match="unknown parameter.*'stpes'.*'steps'"):
         PipelineParams.from_mapping({"stpes": 10})
+
+
+@pytest.mark.parametrize("image", [
+    "busybox", "registry.example.com/team/resilient-train:0.1.0", "localhost:5000/rt:dev",
+    "nvcr.io/nvidia/pytorch:25.10-py3", "ghcr.io/a/b/c@sha256:" + "a" * 64, "rt:0.1.0+7aef037-dirty".replace("+", "_"),
+])
+def test_valid_image_references_pass(image):
+    assert PipelineParams(image=image).errors() == []
+
+
+@pytest.mark.parametrize("corpus", ["", "/mnt/shared/corpus", "file:///mnt/shared/corpus.txt", "relative/dir"])
+def test_corpus_that_data_prep_reads_passes(corpus):
+    assert not [e for e in PipelineParams(image=IMAGE, corpus=corpus).errors() if "corpus" in e]

@@ -75,8 +75,10 @@ def test_local_cleanup_is_idempotent(tmp_path):
 
 def test_pytorchjob_spec_mounts_the_pvc_and_queues(monkeypatch):
     monkeypatch.setenv("KUEUE_QUEUE_NAME", "train-queue")
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     p = PipelineParams(nodes=2, gpus_per_node=8, namespace="team-a", node_selector={"pool": "h100"},
-                       tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+                       tolerations=[gpu_taint], image="registry.example.com/rt:1", image_pull_secrets=["regcred"],
+                       launcher_node_selector={"pool": "cpu"})
     layout = RunLayout(p.workdir, "3f2a9c1e-uuid")
     spec = PyTorchJobBackend().spec(p, layout, trainer_args(p, layout, "/mnt/shared/x/data"))
     assert spec.name == job_name("3f2a9c1e-uuid", "train") and spec.namespace == "team-a"
@@ -85,7 +87,12 @@ def test_pytorchjob_spec_mounts_the_pvc_and_queues(monkeypatch):
     assert webhook_errors(manifest) == []
     pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "train-queue"
-    assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
+    # The GPU placement goes to every training pod (not to the launcher step: tests/pipelines/test_compile.py).
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["template"]["spec"]["nodeSelector"] == {"pool": "h100"}
+        assert replica["template"]["spec"]["tolerations"] == [gpu_taint]
+        assert replica["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert replica["template"]["spec"]["containers"][0]["image"] == "registry.example.com/rt:1"
     assert {"name": "shared", "persistentVolumeClaim": {"claimName": "train-shared"}} in pod["spec"]["volumes"]
     assert "--train.device=cuda" in pod["spec"]["containers"][0]["args"]
 

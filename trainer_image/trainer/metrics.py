@@ -1,14 +1,26 @@
-"""Per-step metrics as JSON lines (rank 0), MFU from model FLOPs and the device's peak bf16 rate."""
+"""Per-step metrics as JSON lines (rank 0), MFU from model FLOPs and the device's peak bf16 rate, and the
+same scalars plus the recovery events as TensorBoard event files next to ``metrics.jsonl`` (live curves for a
+Kubeflow Tensorboard on the shared volume)."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+RECOVERY_FILE = "recovery.jsonl"  # written by trainer.ledger; read here, never written
+TB_FLUSH_S = 10
+#: Fields of a ``step`` record drawn as TensorBoard scalars (``train/<field>``).
+STEP_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity).
 PEAK_BF16_FLOPS: dict[str, float] = {
@@ -35,24 +47,121 @@ def peak_bf16_flops(device: torch.device) -> float | None:
     return None
 
 
+class NullTensorBoard:
+    """No event files: not rank 0, or the ``tensorboard`` package is missing."""
+
+    def record(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardEvents:
+    """Rank 0's TensorBoard event files in ``run_dir``: the scalars of every metrics record and, polled from
+    ``recovery.jsonl`` as it grows, the recovery events (faults, restarts per layer, recovery time)."""
+
+    def __init__(self, run_dir: Path, writer: Any) -> None:
+        self._writer = writer
+        self._ledger = run_dir / RECOVERY_FILE
+        # Events of earlier processes are in their own event files; this one starts at the ledger's end.
+        self._offset = self._ledger.stat().st_size if self._ledger.exists() else 0
+
+    def record(self, record: dict[str, Any]) -> None:
+        event, step = record.get("event"), record.get("step")
+        if event == "step":
+            for name in STEP_SCALARS:
+                if record.get(name) is not None:
+                    self._writer.add_scalar(f"train/{name}", record[name], step)
+        elif event == "resume":
+            self._writer.add_text("recovery/events", f"resumed from the checkpoint of step {step}", step)
+        elif event == "summary":
+            for name in ("final_loss", "wall_time_s"):
+                if record.get(name) is not None:
+                    self._writer.add_scalar(f"summary/{name}", record[name], record.get("steps"))
+        self._poll_ledger()
+        if event == "summary":
+            self._writer.flush()  # the end of training: do not wait for the writer's next periodic flush
+
+    def _poll_ledger(self) -> None:
+        try:
+            with self._ledger.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                self._recovery(json.loads(line))
+            except (ValueError, TypeError, KeyError):
+                continue
+
+    def _recovery(self, r: dict[str, Any]) -> None:
+        event = r["event"]
+        if event == "fault":
+            self._writer.add_scalar(f"recovery/fault_{r['kind']}", 1, r["step"])
+            self._writer.add_text("recovery/events", f"fault {r['kind']} on rank {r['rank']} at step {r['step']}",
+                                  r["step"])
+        elif event == "restart" and r.get("rank") == 0:
+            fault = r.get("fault") or {}
+            self._writer.add_scalar(f"recovery/restart_{r['layer']}", 1, r["resumed_step"])
+            self._writer.add_text("recovery/events", f"{r['layer']} restart after {fault.get('kind', 'a fault')}, "
+                                  f"resumed at step {r['resumed_step']}", r["resumed_step"])
+        elif event == "recovered":
+            self._writer.add_scalar("recovery/recovery_s", r["recovery_s"], r["step"])
+            if r.get("steps_redone") is not None:
+                self._writer.add_scalar("recovery/steps_redone", r["steps_redone"], r["step"])
+        elif event == "preempted":
+            self._writer.add_text("recovery/events", f"preempted: final checkpoint at step {r['step']}", r["step"])
+        elif event == "summary" and r.get("goodput") is not None:
+            self._writer.add_scalar("summary/goodput", r["goodput"], r["steps"])
+
+    def close(self) -> None:
+        """Idempotent (also runs at interpreter exit)."""
+        if self._writer is not None:
+            self._poll_ledger()
+            self._writer.close()
+            self._writer = None
+
+
+def tensorboard_events(run_dir: str | Path, enabled: bool) -> TensorBoardEvents | NullTensorBoard:
+    """TensorBoard events for rank 0 (`enabled`); a `NullTensorBoard` elsewhere or without ``tensorboard``."""
+    if not enabled:
+        return NullTensorBoard()
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        log.warning("no TensorBoard event files (%s): pip install tensorboard for live training curves", exc)
+        return NullTensorBoard()
+    events = TensorBoardEvents(Path(run_dir), SummaryWriter(log_dir=str(run_dir), flush_secs=TB_FLUSH_S))
+    atexit.register(events.close)  # what is still queued reaches the file when the process ends normally
+    return events
+
+
 class MetricsLogger:
-    """Writes one JSON object per line to ``<run_dir>/metrics.jsonl`` and a short line to stdout (rank 0)."""
+    """Writes one JSON object per line to ``<run_dir>/metrics.jsonl`` and a short line to stdout (rank 0), and
+    the same scalars plus the recovery events as TensorBoard event files in ``run_dir``."""
 
     def __init__(self, run_dir: str | Path, enabled: bool, echo: bool = True) -> None:
         self.enabled = enabled
         self.echo = echo
         self._file: TextIO | None = None
+        self._tensorboard: TensorBoardEvents | NullTensorBoard = NullTensorBoard()
         if enabled:
-            path = Path(run_dir) / "metrics.jsonl"
+            path = Path(run_dir) / METRICS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", buffering=1)
             self.path = path
+            self._tensorboard = tensorboard_events(path.parent, enabled)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self._file:
             return
         record = {"time": round(time.time(), 3), **record}
         self._file.write(json.dumps(record) + "\n")
+        self._tensorboard.record(record)
         if self.echo and record.get("event") == "step":
             mfu = f" mfu={record['mfu']:.1%}" if record.get("mfu") is not None else ""
             print(
@@ -69,3 +178,5 @@ class MetricsLogger:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+            self._tensorboard.close()
+            self._tensorboard = NullTensorBoard()
