@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-BACKENDS = ("pytorchjob", "local")
+BACKENDS = ("pytorchjob", "trainjob", "local")
+CLUSTER_BACKENDS = ("pytorchjob", "trainjob")
 FLAVOURS = ("tiny", "1b", "8b")
 FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
 INIT_FROM_PROMOTED = "promoted"
@@ -105,7 +106,8 @@ class PipelineParams:
     max_cluster_restarts: int = 3
     """Pod restarts (exit >= 128) the launcher tolerates before failing the step (then the step's retry)."""
     backend: str = "pytorchjob"
-    """Where training runs: pytorchjob (Kubeflow training-operator) or local (subprocess in the step)."""
+    """Where training runs: pytorchjob (Kubeflow training-operator), trainjob (Kubeflow Trainer v2) or local
+    (subprocess in the step)."""
     init_from: str = ""
     """Warm start: '' (none), 'promoted' (the promoted model's checkpoint) or a checkpoint directory."""
     corpus: str = ""
@@ -196,15 +198,15 @@ class PipelineParams:
         if self.backend == "local" and _is_int(self.nodes) and self.nodes != 1:
             e.append(f"nodes must be 1 with backend 'local' (one machine); got {self.nodes}: use backend "
                      "'pytorchjob' for several nodes")
-        if self.backend == "pytorchjob":
+        if self.backend in CLUSTER_BACKENDS:
             mount = PurePosixPath(SHARED_MOUNT)
             if self.workdir.startswith("/") and mount not in PurePosixPath(self.workdir).parents:
                 e.append(f"workdir {self.workdir!r} must be under {SHARED_MOUNT} (the PVC every step and training "
-                         f"pod mounts) with backend 'pytorchjob', e.g. {SHARED_MOUNT}/resilient-train")
+                         f"pod mounts) with backend {self.backend!r}, e.g. {SHARED_MOUNT}/resilient-train")
             if not _DNS1123_LABEL.match(self.pvc_name or ""):
                 e.append(f"pvc_name must name an existing PersistentVolumeClaim (DNS-1123); got {self.pvc_name!r}")
             if not self.image.strip():
-                e.append("image must name the trainer image with backend 'pytorchjob'")
+                e.append(f"image must name the trainer image with backend {self.backend!r}")
         if self.namespace and not _DNS1123_LABEL.match(self.namespace):
             e.append(f"namespace must be a DNS label or empty (the pipeline's namespace); got {self.namespace!r}")
 
