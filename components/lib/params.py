@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlparse
 
 BACKENDS = ("pytorchjob", "trainjob", "local")
 CLUSTER_BACKENDS = ("pytorchjob", "trainjob")
@@ -136,7 +137,8 @@ class PipelineParams:
     eval_max_batches: int = 50
     """Evaluate on at most N validation batches."""
     promoted_registry: str = ""
-    """JSON record of the promoted model (path or file:// URI); empty = <workdir>/promoted-<model>.json."""
+    """JSON record of the promoted model (path or file:// URI; empty = <workdir>/promoted-<model>.json), or a
+    Kubeflow Model Registry address https://HOST[:PORT][/MODEL_NAME] (name default resilient-train-<model>)."""
     min_improvement: float = 0.0
     """Promote only when val loss beats the promoted model's by more than this."""
     deadline_hours: float = 168.0
@@ -184,9 +186,11 @@ class PipelineParams:
         if self.init_from not in ("", INIT_FROM_PROMOTED) and not self.init_from.startswith("/"):
             e.append(f"init_from must be '', {INIT_FROM_PROMOTED!r} or an absolute checkpoint directory; "
                      f"got {self.init_from!r}")
-        if self.promoted_registry and not (self.promoted_registry.startswith(("/", "file://"))):
+        if self.promoted_registry and not (self.promoted_registry.startswith(("/", "file://", "http://",
+                                                                              "https://"))):
             e.append(f"promoted_registry must be an absolute path or file:// URI on shared storage (or empty for "
-                     f"<workdir>/promoted-<model>.json); got {self.promoted_registry!r}")
+                     f"<workdir>/promoted-<model>.json), or a Kubeflow Model Registry address "
+                     f"https://HOST[:PORT][/MODEL_NAME]; got {self.promoted_registry!r}")
         self._check_k8s_fields(e)
         self._check_overrides(e)
         return e
@@ -304,5 +308,8 @@ DEFAULTS = PipelineParams()
 
 
 def registry_location(promoted_registry: str, workdir: str, model: str) -> str:
-    """The promoted record's location: the parameter, else ``<workdir>/promoted-<model>.json``."""
+    """The promoted record's location: the parameter, else ``<workdir>/promoted-<model>.json``; a Model
+    Registry address without a registered model name gets ``/resilient-train-<model>``."""
+    if promoted_registry.startswith(("http://", "https://")) and not urlparse(promoted_registry).path.strip("/"):
+        return f"{promoted_registry.rstrip('/')}/resilient-train-{_flavour_slug(model)}"
     return promoted_registry or f"{workdir.rstrip('/')}/promoted-{_flavour_slug(model)}.json"
