@@ -14,8 +14,7 @@ two resources (API coordinates, the success condition, which pod is rank 0, how 
   disconnects is re-opened from the last resourceVersion, and a ``410 Gone`` re-lists. An overall
   deadline of ``activeDeadlineSeconds + LauncherTimings.deadline_margin_s`` deletes the job and raises.
 - **restart budget** (PyTorchJob): ``restartPolicy: ExitCode`` makes the operator delete and recreate a
-  pod that
-  exited >= 128, ignoring ``backoffLimit``. Each time it does, v1.9 sets the job condition
+  pod that exited >= 128, ignoring ``backoffLimit``. Each time it does, v1.9 sets the job condition
   ``Restarting=True``, which replaces ``Running`` (and ``Running`` replaces it when the pods are up
   again). A restart is counted each time a ``Restarting=True`` condition appears that was absent in the
   previous observation or carries a new ``lastTransitionTime``. ``replicaStatuses`` counts only the
@@ -181,13 +180,16 @@ def _true_condition(job: Mapping[str, Any], ctype: str) -> dict[str, Any] | None
 
 
 def job_state(job: Mapping[str, Any], succeeded: str = SUCCEEDED) -> str:
-    """``Failed``/`succeeded` if terminal, else the newest true condition's type, else ``Pending``."""
+    """``Failed``/`succeeded` if terminal, else the newest true condition's type, else ``Running`` when a
+    TrainJob's ``jobsStatus`` has active Jobs (TrainJob has no Running condition), else ``Pending``."""
     for terminal in (FAILED, succeeded):
         if _true_condition(job, terminal):
             return terminal
-    true_types = [c.get("type") for c in (job.get("status") or {}).get("conditions") or []
-                  if c.get("status") == "True"]
-    return true_types[-1] if true_types else PENDING  # the operator appends the newest condition
+    status = job.get("status") or {}
+    true_types = [c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"]
+    if true_types:
+        return true_types[-1]  # the operator appends the newest condition
+    return RUNNING if any(j.get("active") for j in status.get("jobsStatus") or []) else PENDING
 
 
 class RestartCounter(Protocol):

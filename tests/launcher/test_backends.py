@@ -156,3 +156,17 @@ def test_trainjob_permissions() -> None:
         ("trainer.kubeflow.org", "trainjobs", "list"), ("trainer.kubeflow.org", "trainjobs", "watch"),
         ("trainer.kubeflow.org", "trainjobs", "delete"), ("jobset.x-k8s.io", "jobsets", "get"),
         ("", "pods", "list"), ("", "pods/log", "get")}
+
+
+def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
+    from components.lib.k8s_launcher import job_state
+
+    def status(conditions: list, active: int) -> dict:
+        return {"status": {"conditions": conditions, "jobsStatus": [{"name": "node", "active": active}]}}
+
+    suspended = {"type": "Suspended", "status": "False", "reason": "Resumed"}
+    assert job_state(status([], 0), "Complete") == "Pending"
+    assert job_state(status([suspended], 1), "Complete") == "Running"
+    assert job_state(status([{**suspended, "status": "True"}], 0), "Complete") == "Suspended"
+    assert job_state(status([{"type": "Complete", "status": "True"}], 0), "Complete") == "Complete"
+    assert job_state(status([{"type": "Failed", "status": "True"}], 1), "Complete") == "Failed"
