@@ -170,3 +170,22 @@ def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
     assert job_state(status([{**suspended, "status": "True"}], 0), "Complete") == "Suspended"
     assert job_state(status([{"type": "Complete", "status": "True"}], 0), "Complete") == "Complete"
     assert job_state(status([{"type": "Failed", "status": "True"}], 1), "Complete") == "Failed"
+
+
+def test_trainjob_counts_restarts_from_before_the_launcher_attached() -> None:
+    """JobSet's restart count is absolute: a re-attaching launcher sees a budget already spent."""
+    spec = _spec(max_cluster_restarts=1)
+    with StubCluster(Scenario(), "trainjob") as cluster:
+        cluster.put_job(manifest_for(spec, "trainjob"), "Running")
+        cluster.jobset_restarts[(NS, spec.name)] = 2
+        with pytest.raises(RestartBudgetExceededError, match="restarted 2 times, more than max_cluster_restarts=1"):
+            cluster.launcher().run(spec)
+        assert cluster.deleted == [(spec.name, True)]
+
+
+def test_trainjob_failed_by_jobsets_own_restart_limit_is_a_spent_budget() -> None:
+    scenario = Scenario(_started() + [condition("Failed", "jobset failed due to reaching max number of restarts",
+                                                reason="ReachedMaxRestarts")])
+    with StubCluster(scenario, "trainjob") as cluster:
+        with pytest.raises(RestartBudgetExceededError):
+            cluster.launcher().run(_spec())
