@@ -7,7 +7,7 @@ from components.lib.params import DEFAULT_IMAGE
 
 @dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
 def cleanup(backend: str, workdir: str, namespace: str, run_id: str, status: dsl.PipelineTaskFinalStatus) -> str:
-    """Delete the PyTorchJob (pytorchjob backend) or kill leftover processes (local); idempotent."""
+    """Delete the PyTorchJob or TrainJob (cluster backends) or kill leftover processes (local); idempotent."""
     from components.lib.layout import RunLayout
     from components.lib.params import PipelineParams
     from components.lib.train_step import backend_for, configure_step_logging

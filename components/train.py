@@ -1,4 +1,4 @@
-"""``train``: run the trainer (PyTorchJob or local subprocess) and publish the checkpoint and metrics."""
+"""``train``: run the trainer (PyTorchJob, TrainJob or local subprocess) and publish the checkpoint and metrics."""
 
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output

@@ -1,4 +1,4 @@
-"""The training pipeline: validate → data prep → train (PyTorchJob or local) → evaluate → promote if better.
+"""The training pipeline: validate → data prep → train (PyTorchJob, TrainJob or local) → evaluate → promote if better.
 
 Recovery policy at this level: the train step retries (``set_retry``) and, because every path derives from
 the run id, a retry resumes from the run's latest checkpoint; an exit handler removes the training job or
@@ -62,7 +62,7 @@ class Build:
 
 
 DESCRIPTION = (
-    "Resilient LLM training: data prep -> PyTorchJob (FSDP + NVRx in-process / in-job restarts) -> "
+    "Resilient LLM training: data prep -> PyTorchJob or TrainJob (FSDP + NVRx in-process / in-job restarts) -> "
     "checkpoint evaluation -> promotion gate. The train step retries and resumes from the run's latest "
     "checkpoint; an exit handler deletes the training job."
 )

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import unquote, urlparse
 
+from components.lib.registry import ModelRegistryStore, is_model_registry
+
 EVAL_MODULE = "trainer.evaluate"
 #: trainer.exitcodes.ExitCode.CHECKPOINT_ERROR: no valid checkpoint to evaluate.
 NO_CHECKPOINT_EXIT = 4
@@ -123,7 +125,10 @@ def registry_path(uri: str) -> Path:
 
 
 def read_registry(uri: str) -> dict[str, Any] | None:
-    """The promoted record, or None when nothing has been promoted yet."""
+    """The promoted record, or None when nothing has been promoted yet (a Model Registry address reads the
+    registry: `components.lib.registry`)."""
+    if is_model_registry(uri):
+        return ModelRegistryStore(uri).read()
     path = registry_path(uri)
     try:
         record = json.loads(path.read_text())
@@ -158,8 +163,11 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def write_registry(uri: str, record: Mapping[str, Any], expected_current: str) -> Path:
-    """Atomically replace the promoted record if it is still ``expected_current``; append to the history."""
+def write_registry(uri: str, record: Mapping[str, Any], expected_current: str) -> Path | str:
+    """Atomically replace the promoted record if it is still ``expected_current``; append to the history.
+    A Model Registry address registers a new model version instead (`components.lib.registry`)."""
+    if is_model_registry(uri):
+        return ModelRegistryStore(uri).write(record, expected_current)
     path = registry_path(uri)
     with _locked(path):
         current = record_id(read_registry(uri))
@@ -248,7 +256,7 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
     ``checkpoint`` and ``dataset`` are the Model and Dataset artifacts' metadata (checkpoint_dir, run_dir,
     step, model; data_dir, tokenizer_sha256, val_sha256).
     """
-    from components.lib.report import read_jsonl, render_report
+    from components.lib.report import read_jsonl, render_report, summarize_ledger
 
     eval_dir = Path(eval_dir)
     result = run_evaluation(checkpoint["checkpoint_dir"], dataset["data_dir"], eval_dir / "result.json",
@@ -268,6 +276,7 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
     run_dir = Path(checkpoint.get("run_dir", ""))
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     ledger, bad = read_jsonl(run_dir / "recovery.jsonl")
+    candidate["goodput"] = summarize_ledger(ledger)["goodput"]  # None when the ledger has no timing
     html_text = render_report(
         title=f"Training run {run_id}: {result['model']} at step {result['step']}",
         metrics=metrics, ledger=ledger,

@@ -1,6 +1,10 @@
-"""Idempotent, loud launcher of the train step's PyTorchJob (training-operator v1.9).
+"""Idempotent, loud launcher of the train step's cluster job: a PyTorchJob (training-operator v1.9) or a
+TrainJob (Kubeflow Trainer v2.3).
 
-`PyTorchJobLauncher.run(spec)` submits the job built by `components.lib.pytorchjob` and waits for it:
+One implementation, `JobLauncher`, holds every guarantee below; a `JobKind` says what differs between the
+two resources (API coordinates, the success condition, which pod is rank 0, how restarts show).
+`PyTorchJobLauncher` runs the job built by `components.lib.pytorchjob`, `TrainJobLauncher` the one built by
+`components.lib.trainjob`; both take the same `TrainJobSpec`. `PyTorchJobLauncher.run(spec)`:
 
 - **idempotent**: "already exists" (HTTP 409) attaches to the job of the same deterministic name (a
   pipeline retry or a restarted launcher pod finds its job); an existing ``Failed`` job is deleted
@@ -9,18 +13,26 @@
 - **never hangs**: the job is watched (field selector ``metadata.name``); a watch that times out or
   disconnects is re-opened from the last resourceVersion, and a ``410 Gone`` re-lists. An overall
   deadline of ``activeDeadlineSeconds + LauncherTimings.deadline_margin_s`` deletes the job and raises.
-- **restart budget**: ``restartPolicy: ExitCode`` makes the operator delete and recreate a pod that
-  exited >= 128, ignoring ``backoffLimit``. Each time it does, v1.9 sets the job condition
+- **restart budget** (PyTorchJob): ``restartPolicy: ExitCode`` makes the operator delete and recreate a
+  pod that exited >= 128, ignoring ``backoffLimit``. Each time it does, v1.9 sets the job condition
   ``Restarting=True``, which replaces ``Running`` (and ``Running`` replaces it when the pods are up
   again). A restart is counted each time a ``Restarting=True`` condition appears that was absent in the
   previous observation or carries a new ``lastTransitionTime``. ``replicaStatuses`` counts only the
   pods present now, so it cannot count restarts. When the count exceeds ``spec.max_cluster_restarts``
   the job is deleted and `RestartBudgetExceededError` raised. Restarts that happened before the
   launcher attached and are no longer visible are not counted.
+- **restart budget** (TrainJob): the runtime's JobSet failure policy restarts the whole set for exit codes
+  >= 128 and fails it for 1-127 (`components.lib.trainjob`). JobSet's ``maxRestarts`` sits in the shared
+  runtime, so the per-run budget is the launcher's own, as for PyTorchJob: it reads the JobSet's
+  ``status.restarts`` (an absolute count, so restarts before the launcher attached count too) each time the
+  TrainJob's status changes, and deletes the TrainJob when it exceeds ``spec.max_cluster_restarts``. A
+  TrainJob failed by JobSet's own backstop (reason ``ReachedMaxRestarts``) raises the same error.
 - **the step fails when the job fails**: ``Failed`` raises `JobFailedError` with the condition's
-  reason and message and the tail of the Master's log.
-- **loud**: every state transition is logged; the Master pod's log is followed into stdout
-  (``[<pod>] line``) in a background thread, re-attached when a restart replaces the pod.
+  reason and message, the trainer's exit code (the rank-0 container's, else any failed training
+  container's) and the tail of the rank-0 log.
+- **loud**: every state transition is logged; the rank-0 pod's log (PyTorchJob Master, TrainJob node 0)
+  is followed into stdout (``[<pod>] line``) in a background thread, re-attached when a restart replaces
+  the pod.
 - **cleans up**: any other way out of `run` — deadline, restart budget, SIGTERM when the pipeline is
   cancelled, an unexpected error — deletes the job. `delete` (idempotent) serves the exit handler.
 
@@ -40,9 +52,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, ClassVar, Protocol, TextIO
 
 import urllib3
 from kubeflow.training import constants
@@ -52,6 +64,8 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch import Watch
 from kubernetes.watch.watch import iter_resp_lines
 
+from components.lib import trainjob
+from components.lib.local_launcher import exit_name
 from components.lib.pytorchjob import CONTAINER_NAME, TrainJobSpec, build_pytorchjob, to_manifest, webhook_errors
 from components.lib.signals import sigterm_raises
 
@@ -64,8 +78,9 @@ MASTER_REPLICA_LABEL = "master"  # value of training.kubeflow.org/replica-type o
 
 CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
     "Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+COMPLETE = "Complete"  # TrainJob's success condition
 PENDING = "Pending"  # no condition yet: the operator has not seen the job
-TERMINAL_STATES = (SUCCEEDED, FAILED)
+REACHED_MAX_RESTARTS = "ReachedMaxRestarts"  # JobSet's Failed reason when its maxRestarts is spent
 LOGGABLE_POD_PHASES = ("Running", "Succeeded", "Failed")
 HTTP_NOT_FOUND, HTTP_CONFLICT, HTTP_GONE = 404, 409, 410
 TRANSIENT_HTTP = frozenset({429, 500, 502, 503, 504})
@@ -109,13 +124,13 @@ class LauncherTimings:
 
 @dataclass(frozen=True)
 class JobResult:
-    """How a PyTorchJob ended."""
+    """How a PyTorchJob or TrainJob ended."""
 
     name: str
     namespace: str
     state: str
     restarts: int
-    """Pod restarts observed by this launcher (see the module docstring)."""
+    """Cluster-level restarts observed by this launcher (see the module docstring)."""
     duration_s: float
     conditions: list[dict[str, Any]] = field(default_factory=list)
 
@@ -129,13 +144,16 @@ class InvalidJobError(LauncherError):
 
 
 class JobFailedError(LauncherError):
-    """The PyTorchJob ended ``Failed``."""
+    """The job ended ``Failed``; `exit_code` is the trainer's (None when no pod reported one)."""
 
-    def __init__(self, name: str, reason: str, message: str, log_tail: list[str]) -> None:
+    def __init__(self, name: str, reason: str, message: str, log_tail: list[str], exit_code: int | None = None,
+                 kind: str = "PyTorchJob") -> None:
         self.name, self.reason, self.message, self.log_tail = name, reason, message, log_tail
-        tail = "\n".join(log_tail) if log_tail else "(no Master log was captured)"
-        super().__init__(f"PyTorchJob {name} failed: {reason}: {message}\n"
-                         f"--- last {len(log_tail)} lines of the Master log ---\n{tail}")
+        self.exit_code = exit_code
+        tail = "\n".join(log_tail) if log_tail else "(no rank-0 log was captured)"
+        code = "no exit code reported" if exit_code is None else f"trainer exit code {exit_name(exit_code)}"
+        super().__init__(f"{kind} {name} failed ({code}): {reason}: {message}\n"
+                         f"--- last {len(log_tail)} lines of the rank-0 log ---\n{tail}")
 
 
 class DeadlineExceededError(LauncherError):
@@ -161,60 +179,158 @@ def _true_condition(job: Mapping[str, Any], ctype: str) -> dict[str, Any] | None
     return None
 
 
-def job_state(job: Mapping[str, Any]) -> str:
-    """``Failed``/``Succeeded`` if terminal, else the newest true condition's type, else ``Pending``."""
-    for terminal in (FAILED, SUCCEEDED):
+def job_state(job: Mapping[str, Any], succeeded: str = SUCCEEDED) -> str:
+    """``Failed``/`succeeded` if terminal, else the newest true condition's type, else ``Running`` when a
+    TrainJob's ``jobsStatus`` has active Jobs (TrainJob has no Running condition), else ``Pending``."""
+    for terminal in (FAILED, succeeded):
         if _true_condition(job, terminal):
             return terminal
-    true_types = [c.get("type") for c in (job.get("status") or {}).get("conditions") or []
-                  if c.get("status") == "True"]
-    return true_types[-1] if true_types else PENDING  # the operator appends the newest condition
+    status = job.get("status") or {}
+    true_types = [c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"]
+    if true_types:
+        return true_types[-1]  # the operator appends the newest condition
+    return RUNNING if any(j.get("active") for j in status.get("jobsStatus") or []) else PENDING
+
+
+class RestartCounter(Protocol):
+    """Counts one job's cluster-level restarts from its observed versions."""
+
+    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
+        """Restarts so far, and what the newest one said."""
+
+
+class ConditionRestarts:
+    """PyTorchJob: one restart per ``Restarting=True`` condition that appears or gets a new transition time."""
+
+    def __init__(self) -> None:
+        self._count, self._mark, self._message = 0, None, "-"
+
+    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
+        restarting = _true_condition(job, RESTARTING)
+        mark = str(restarting.get("lastTransitionTime")) if restarting else None
+        if mark is not None and mark != self._mark:
+            self._count += 1
+            self._message = str(restarting.get("message", "-"))
+        self._mark = mark
+        return self._count, self._message
+
+
+class JobSetRestarts:
+    """TrainJob: the JobSet's ``status.restarts``, read each time the TrainJob's status changes."""
+
+    def __init__(self, custom: k8s.CustomObjectsApi, name: str, namespace: str, timings: LauncherTimings) -> None:
+        self._custom, self._name, self._namespace, self._t = custom, name, namespace, timings
+        self._count, self._seen_status = 0, None
+
+    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
+        status = job.get("status")
+        if status != self._seen_status:
+            self._seen_status = status
+            try:
+                jobset = self._custom.get_namespaced_custom_object(
+                    trainjob.JOBSET_GROUP, trainjob.JOBSET_VERSION, self._namespace, trainjob.JOBSET_PLURAL,
+                    self._name, _request_timeout=self._t.request_timeout_s)
+                self._count = max(self._count, int((jobset.get("status") or {}).get("restarts") or 0))
+            except ApiException as exc:
+                if exc.status != HTTP_NOT_FOUND:  # not created yet, or gone with its TTL: keep the count
+                    raise
+        return self._count, f"JobSet {self._name} recreated its pods (restart attempt {self._count})"
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """What differs between the job resources the launcher runs."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    succeeded: str
+    """The condition type of success (``Succeeded``, ``Complete``)."""
+    container: str
+    """The training container's name in every pod."""
+    manifest: Callable[[TrainJobSpec], dict[str, Any]]
+    errors: Callable[[Mapping[str, Any]], list[str]]
+    """Admission-webhook rules checked before submitting."""
+    rank0_selector: Callable[[str], str]
+    """Label selector of the rank-0 pod, by job name."""
+    pods_selector: Callable[[str], str]
+    """Label selector of all the job's pods, by job name."""
+    restarts: Callable[[k8s.CustomObjectsApi, str, str, LauncherTimings], RestartCounter]
+    budget_reasons: frozenset[str] = frozenset()
+    """``Failed`` reasons meaning a server-side restart limit was reached."""
+
+
+def _pytorchjob_manifest(spec: TrainJobSpec) -> dict[str, Any]:
+    return to_manifest(build_pytorchjob(spec))
+
+
+def _trainjob_manifest(spec: TrainJobSpec) -> dict[str, Any]:
+    try:
+        return trainjob.to_manifest(trainjob.build_trainjob(spec))
+    except ValueError as exc:
+        raise InvalidJobError(str(exc)) from exc
+
+
+PYTORCHJOB = JobKind(
+    kind=constants.PYTORCHJOB_KIND, group=GROUP, version=VERSION, plural=PLURAL, succeeded=SUCCEEDED,
+    container=CONTAINER_NAME, manifest=_pytorchjob_manifest, errors=webhook_errors,
+    rank0_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name},{constants.REPLICA_TYPE_LABEL}={MASTER_REPLICA_LABEL}",
+    pods_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name}",
+    restarts=lambda *_: ConditionRestarts())
+TRAINJOB = JobKind(
+    kind=trainjob.KIND, group=trainjob.GROUP, version=trainjob.VERSION, plural=trainjob.PLURAL, succeeded=COMPLETE,
+    container=trainjob.NODE, manifest=_trainjob_manifest, errors=trainjob.webhook_errors,
+    rank0_selector=trainjob.node0_selector, pods_selector=lambda name: f"{trainjob.JOBSET_NAME_LABEL}={name}",
+    restarts=JobSetRestarts, budget_reasons=frozenset({REACHED_MAX_RESTARTS}))
 
 
 class _JobTracker:
     """Follows one job's status: logs transitions, counts restarts, enforces the restart budget."""
 
-    def __init__(self, name: str, namespace: str, max_restarts: int) -> None:
-        self.name, self.namespace, self.max_restarts = name, namespace, max_restarts
+    def __init__(self, kind: JobKind, name: str, namespace: str, max_restarts: int,
+                 counter: RestartCounter) -> None:
+        self.kind, self.name, self.namespace, self.max_restarts = kind, name, namespace, max_restarts
+        self.counter = counter
         self.state = "Submitted"
         self.restarts = 0
         self.conditions: list[dict[str, Any]] = []
-        self._restart_mark: str | None = None
 
     def observe(self, job: Mapping[str, Any]) -> str:
         """Record one observed version of the job; return its state."""
         self.conditions = list((job.get("status") or {}).get("conditions") or [])
-        state = job_state(job)
+        state = job_state(job, self.kind.succeeded)
         if state != self.state:
             cond = _true_condition(job, state) or {}
             # Routine progress (Created, Running, Succeeded) at INFO; a failure or a restart at WARNING.
             log.log(logging.WARNING if state in (FAILED, RESTARTING) else logging.INFO,
-                    "PyTorchJob %s/%s: %s -> %s (%s: %s)", self.namespace, self.name, self.state, state,
+                    "%s %s/%s: %s -> %s (%s: %s)", self.kind.kind, self.namespace, self.name, self.state, state,
                     cond.get("reason", "-"), cond.get("message", "-"))
             self.state = state
-        restarting = _true_condition(job, RESTARTING)
-        mark = str(restarting.get("lastTransitionTime")) if restarting else None
-        if mark is not None and mark != self._restart_mark:
-            self.restarts += 1
-            log.warning("PyTorchJob %s/%s: cluster-level restart %d (budget %d): %s", self.namespace, self.name,
-                        self.restarts, self.max_restarts, restarting.get("message", "-"))
-        self._restart_mark = mark
-        if self.restarts > self.max_restarts:
+        count, message = self.counter.observe(job)
+        for n in range(self.restarts + 1, count + 1):
+            log.warning("%s %s/%s: cluster-level restart %d (budget %d): %s", self.kind.kind, self.namespace,
+                        self.name, n, self.max_restarts, message)
+        self.restarts = max(self.restarts, count)
+        reached = state == FAILED and (_true_condition(job, FAILED) or {}).get("reason") in self.kind.budget_reasons
+        if self.restarts > self.max_restarts or reached:
             raise RestartBudgetExceededError(
-                f"PyTorchJob {self.namespace}/{self.name} restarted {self.restarts} times, more than "
+                f"{self.kind.kind} {self.namespace}/{self.name} restarted {self.restarts} times, more than "
                 f"max_cluster_restarts={self.max_restarts}; deleting it (raise max_cluster_restarts if the "
                 "faults are expected)")
         return state
 
+    def terminal(self) -> bool:
+        return self.state in (FAILED, self.kind.succeeded)
+
 
 class MasterLogStreamer:
-    """Follows the Master pod's log into `out` in a background thread, across pod replacements."""
+    """Follows the rank-0 pod's log into `out` in a background thread, across pod replacements."""
 
     def __init__(self, core: k8s.CoreV1Api, name: str, namespace: str, out: TextIO,
-                 timings: LauncherTimings) -> None:
+                 timings: LauncherTimings, kind: JobKind = PYTORCHJOB) -> None:
         self._core, self._name, self._namespace, self._out, self._t = core, name, namespace, out, timings
-        self._selector = (f"{constants.JOB_NAME_LABEL}={name},"
-                          f"{constants.REPLICA_TYPE_LABEL}={MASTER_REPLICA_LABEL}")
+        self._selector, self._container = kind.rank0_selector(name), kind.container
         self._tail: deque[str] = deque(maxlen=timings.log_tail_lines)
         self._done_uids: set[str] = set()
         self._last_line_at: dict[str, float] = {}
@@ -280,7 +396,7 @@ class MasterLogStreamer:
         response: urllib3.HTTPResponse | None = None
         try:
             response = self._core.read_namespaced_pod_log(
-                pod_name, self._namespace, container=CONTAINER_NAME, follow=True, timestamps=True,
+                pod_name, self._namespace, container=self._container, follow=True, timestamps=True,
                 since_seconds=since, _preload_content=False,
                 _request_timeout=(self._t.request_timeout_s, self._t.log_read_timeout_s))
             for raw in iter_resp_lines(response):
@@ -301,7 +417,7 @@ class MasterLogStreamer:
             if response is not None:
                 response.release_conn()
         current = self._master_pod()
-        if current is not None and current.metadata.uid == uid and _container_running(current):
+        if current is not None and current.metadata.uid == uid and _container_running(current, self._container):
             log.info("log stream of %s ended while its container runs; reconnecting", pod_name)
             return False
         self._done_uids.add(uid)
@@ -318,15 +434,17 @@ def _stamp_key(stamp: str) -> str:
     return f"{head}.{fraction.ljust(9, '0')}"
 
 
-def _container_running(pod: k8s.V1Pod) -> bool:
+def _container_running(pod: k8s.V1Pod, container: str) -> bool:
     if pod.status.phase != "Running":
         return False
-    statuses = [s for s in pod.status.container_statuses or [] if s.name == CONTAINER_NAME]
+    statuses = [s for s in pod.status.container_statuses or [] if s.name == container]
     return not statuses or statuses[0].state is None or statuses[0].state.terminated is None
 
 
-class PyTorchJobLauncher:
-    """Submits a PyTorchJob and waits for it; see the module docstring for the guarantees."""
+class JobLauncher:
+    """Submits a job of `kind` and waits for it; see the module docstring for the guarantees."""
+
+    kind: ClassVar[JobKind]
 
     def __init__(self, custom: k8s.CustomObjectsApi, core: k8s.CoreV1Api,
                  timings: LauncherTimings = LauncherTimings(), out: TextIO | None = None) -> None:
@@ -336,7 +454,7 @@ class PyTorchJobLauncher:
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, timings: LauncherTimings = LauncherTimings(),
-                         out: TextIO | None = None) -> PyTorchJobLauncher:
+                         out: TextIO | None = None) -> JobLauncher:
         """Clients from the in-cluster service account, else `kubeconfig` (default $KUBECONFIG, ~/.kube/config)."""
         configuration = k8s.Configuration()
         try:
@@ -354,72 +472,94 @@ class PyTorchJobLauncher:
 
     def run(self, spec: TrainJobSpec) -> JobResult:
         """Submit (or attach to) the job and wait; return on ``Succeeded``, raise otherwise."""
-        manifest = to_manifest(build_pytorchjob(spec))
-        errors = webhook_errors(manifest)
+        kind = self.kind
+        manifest = kind.manifest(spec)
+        errors = kind.errors(manifest)
         if errors:
-            raise InvalidJobError(f"PyTorchJob {spec.name} would be rejected:\n  - " + "\n  - ".join(errors))
+            raise InvalidJobError(f"{kind.kind} {spec.name} would be rejected:\n  - " + "\n  - ".join(errors))
         started = time.monotonic()
         deadline = started + spec.active_deadline_seconds + self._t.deadline_margin_s
-        tracker = _JobTracker(spec.name, spec.namespace, spec.max_cluster_restarts)
+        tracker = _JobTracker(kind, spec.name, spec.namespace, spec.max_cluster_restarts,
+                              kind.restarts(self._custom, spec.name, spec.namespace, self._t))
         with sigterm_raises(lambda: LauncherTerminated('received SIGTERM (pipeline run cancelled?)')):
             try:
                 final = self._submit(manifest, tracker)
                 if final is None:
-                    with MasterLogStreamer(self._core, spec.name, spec.namespace, self._out, self._t) as logs:
+                    with MasterLogStreamer(self._core, spec.name, spec.namespace, self._out, self._t, kind) as logs:
                         final = self._wait(spec.name, spec.namespace, deadline, tracker)
                     if tracker.state == FAILED:
                         cond = _true_condition(final, FAILED) or {}
                         raise JobFailedError(spec.name, cond.get("reason", FAILED), cond.get("message", ""),
-                                             logs.tail())
+                                             logs.tail(), self.exit_code(spec.name, spec.namespace), kind.kind)
             except JobFailedError:
                 raise  # finished: its pods hold no GPUs; kept for post-mortems until the TTL or exit handler
             except BaseException as exc:
-                log.error("launcher stopping (%s: %s); deleting PyTorchJob %s/%s", type(exc).__name__, exc,
+                log.error("launcher stopping (%s: %s); deleting %s %s/%s", type(exc).__name__, exc, kind.kind,
                           spec.namespace, spec.name)
                 self._delete_quietly(spec.name, spec.namespace)
                 raise
         result = JobResult(spec.name, spec.namespace, tracker.state, tracker.restarts,
                            time.monotonic() - started, tracker.conditions)
-        log.info("PyTorchJob %s/%s succeeded after %.0f s with %d restart(s)", spec.namespace, spec.name,
+        log.info("%s %s/%s succeeded after %.0f s with %d restart(s)", kind.kind, spec.namespace, spec.name,
                     result.duration_s, result.restarts)
         return result
 
+    def exit_code(self, name: str, namespace: str) -> int | None:
+        """The trainer's exit code: the newest non-zero exit of the training container, rank 0 first."""
+        try:
+            pods = self._core.list_namespaced_pod(namespace, label_selector=self.kind.pods_selector(name),
+                                                  _request_timeout=self._t.request_timeout_s).items
+        except (ApiException, *DISCONNECT_ERRORS) as exc:
+            log.info("listing the pods of %s for its exit code failed (%s)", name, exc)
+            return None
+        rank0 = {p.metadata.uid for p in pods if _matches(p, self.kind.rank0_selector(name))}
+        exits = []
+        for pod in pods:
+            for status in pod.status.container_statuses or []:
+                for state in (status.state, status.last_state):
+                    done = state.terminated if state else None
+                    if status.name == self.kind.container and done is not None and done.exit_code:
+                        exits.append((pod.metadata.uid in rank0, str(done.finished_at or ""), done.exit_code))
+        return max(exits)[2] if exits else None
+
     def delete(self, name: str, namespace: str) -> bool:
         """Delete the job and its pods (foreground); False if it did not exist."""
+        k = self.kind
         try:
             self._custom.delete_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Foreground",
+                k.group, k.version, namespace, k.plural, name, propagation_policy="Foreground",
                 _request_timeout=self._t.request_timeout_s)
         except ApiException as exc:
             if exc.status == HTTP_NOT_FOUND:
-                log.info("PyTorchJob %s/%s is already gone", namespace, name)
+                log.info("%s %s/%s is already gone", k.kind, namespace, name)
                 return False
             raise
-        log.info("deleted PyTorchJob %s/%s (foreground: its pods go first)", namespace, name)
+        log.info("deleted %s %s/%s (foreground: its pods go first)", k.kind, namespace, name)
         return True
 
     def _delete_quietly(self, name: str, namespace: str) -> None:
         try:
             self.delete(name, namespace)
         except (ApiException, *DISCONNECT_ERRORS) as exc:
-            log.error("could not delete PyTorchJob %s/%s (%s); the exit handler or its activeDeadlineSeconds "
-                      "will end it", namespace, name, exc)
+            log.error("could not delete %s %s/%s (%s); the exit handler or its activeDeadlineSeconds "
+                      "will end it", self.kind.kind, namespace, name, exc)
 
     def _create(self, manifest: Mapping[str, Any]) -> None:
-        meta = manifest["metadata"]
+        meta, k = manifest["metadata"], self.kind
         try:
-            self._custom.create_namespaced_custom_object(GROUP, VERSION, meta["namespace"], PLURAL, manifest,
+            self._custom.create_namespaced_custom_object(k.group, k.version, meta["namespace"], k.plural, manifest,
                                                          _request_timeout=self._t.request_timeout_s)
         except ApiException as exc:
             if exc.status == HTTP_CONFLICT:
                 raise
-            raise InvalidJobError(f"the API server refused PyTorchJob {meta['namespace']}/{meta['name']}: "
+            raise InvalidJobError(f"the API server refused {k.kind} {meta['namespace']}/{meta['name']}: "
                                   f"HTTP {exc.status} {exc.reason}: {exc.body}") from exc
-        log.info("created PyTorchJob %s/%s", meta["namespace"], meta["name"])
+        log.info("created %s %s/%s", k.kind, meta["namespace"], meta["name"])
 
     def _submit(self, manifest: Mapping[str, Any], tracker: _JobTracker) -> dict[str, Any] | None:
         """Create the job, or attach to it; return the job if it already succeeded, else None."""
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        k = self.kind
         while True:
             try:
                 self._create(manifest)
@@ -427,24 +567,24 @@ class PyTorchJobLauncher:
             except ApiException:  # 409: a job of this name exists
                 pass
             try:
-                existing = self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                existing = self._custom.get_namespaced_custom_object(k.group, k.version, namespace, k.plural, name,
                                                                      _request_timeout=self._t.request_timeout_s)
                 break
             except ApiException as exc:
                 if exc.status != HTTP_NOT_FOUND:
                     raise
-                log.info("PyTorchJob %s/%s vanished after the conflict (TTL?); creating it again", namespace, name)
-        state = job_state(existing)
+                log.info("%s %s/%s vanished after the conflict (TTL?); creating it again", k.kind, namespace, name)
+        state = job_state(existing, k.succeeded)
         if existing["metadata"].get("deletionTimestamp") or state == FAILED:
-            log.warning("PyTorchJob %s/%s exists from an earlier attempt (%s%s); deleting it and resubmitting, "
-                        "the trainer resumes from its latest checkpoint", namespace, name, state,
+            log.warning("%s %s/%s exists from an earlier attempt (%s%s); deleting it and resubmitting, "
+                        "the trainer resumes from its latest checkpoint", k.kind, namespace, name, state,
                         ", being deleted" if existing["metadata"].get("deletionTimestamp") else "")
             self.delete(name, namespace)
             self._wait_gone(name, namespace)
             self._create(manifest)
             return None
-        log.info("PyTorchJob %s/%s already exists (%s); attaching to it", namespace, name, state)
-        if state == SUCCEEDED:
+        log.info("%s %s/%s already exists (%s); attaching to it", k.kind, namespace, name, state)
+        if state == k.succeeded:
             tracker.observe(existing)
             return existing
         return None
@@ -453,47 +593,51 @@ class PyTorchJobLauncher:
         give_up = time.monotonic() + self._t.delete_timeout_s
         while time.monotonic() < give_up:
             try:
-                self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                self._custom.get_namespaced_custom_object(self.kind.group, self.kind.version, namespace,
+                                                          self.kind.plural, name,
                                                           _request_timeout=self._t.request_timeout_s)
             except ApiException as exc:
                 if exc.status == HTTP_NOT_FOUND:
                     return
                 raise
             time.sleep(self._t.poll_s)
-        raise LauncherError(f"PyTorchJob {namespace}/{name} was still being deleted after "
+        raise LauncherError(f"{self.kind.kind} {namespace}/{name} was still being deleted after "
                             f"{self._t.delete_timeout_s:.0f} s; check for stuck finalizers or pods")
 
     def _wait(self, name: str, namespace: str, deadline: float, tracker: _JobTracker) -> dict[str, Any]:
         """Watch the job until it is terminal; reconnect on disconnects, re-list on 410 Gone."""
         selector = f"metadata.name={name}"
+        k = self.kind
         resource_version: str | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceededError(
-                    f"PyTorchJob {namespace}/{name} is still {tracker.state} after the launcher's deadline "
+                    f"{k.kind} {namespace}/{name} is still {tracker.state} after the launcher's deadline "
                     f"(activeDeadlineSeconds + {self._t.deadline_margin_s:.0f} s); deleting it")
             try:
                 if resource_version is None:
                     listing = self._custom.list_namespaced_custom_object(
-                        GROUP, VERSION, namespace, PLURAL, field_selector=selector,
+                        k.group, k.version, namespace, k.plural, field_selector=selector,
                         _request_timeout=self._t.request_timeout_s)
                     if not listing["items"]:
-                        raise JobDeletedError(f"PyTorchJob {namespace}/{name} disappeared while running")
+                        raise JobDeletedError(f"{k.kind} {namespace}/{name} disappeared while running")
                     resource_version = listing["metadata"]["resourceVersion"]
-                    if tracker.observe(listing["items"][0]) in TERMINAL_STATES:
+                    tracker.observe(listing["items"][0])
+                    if tracker.terminal():
                         return listing["items"][0]
                 timeout = max(1, min(self._t.watch_timeout_s, math.ceil(remaining)))
                 for event in Watch().stream(
-                        self._custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                        self._custom.list_namespaced_custom_object, k.group, k.version, namespace, k.plural,
                         field_selector=selector, resource_version=resource_version, timeout_seconds=timeout,
                         _request_timeout=(self._t.request_timeout_s, timeout + self._t.stream_grace_s)):
                     job = event["raw_object"]
                     resource_version = job["metadata"]["resourceVersion"]
                     if event["type"] == "DELETED":
-                        raise JobDeletedError(f"PyTorchJob {namespace}/{name} was deleted while the launcher "
+                        raise JobDeletedError(f"{k.kind} {namespace}/{name} was deleted while the launcher "
                                               "waited for it")
-                    if tracker.observe(job) in TERMINAL_STATES:
+                    tracker.observe(job)
+                    if tracker.terminal():
                         return job
             except ApiException as exc:
                 if exc.status == HTTP_GONE:
@@ -508,3 +652,20 @@ class PyTorchJobLauncher:
                 log.info("watch of %s disconnected (%s); reconnecting from resourceVersion %s", name, exc,
                          resource_version)
                 time.sleep(self._t.poll_s)
+
+
+def _matches(pod: k8s.V1Pod, selector: str) -> bool:
+    labels = pod.metadata.labels or {}
+    return all(labels.get(key) == value for key, _, value in (kv.partition("=") for kv in selector.split(",")))
+
+
+class PyTorchJobLauncher(JobLauncher):
+    """A Kubeflow training-operator v1 PyTorchJob (`components.lib.pytorchjob`)."""
+
+    kind = PYTORCHJOB
+
+
+class TrainJobLauncher(JobLauncher):
+    """A Kubeflow Trainer v2 TrainJob on our ClusterTrainingRuntime (`components.lib.trainjob`)."""
+
+    kind = TRAINJOB

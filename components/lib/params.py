@@ -13,8 +13,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlparse
 
-BACKENDS = ("pytorchjob", "local")
+BACKENDS = ("pytorchjob", "trainjob", "local")
+CLUSTER_BACKENDS = ("pytorchjob", "trainjob")
 FLAVOURS = ("tiny", "1b", "8b")
 FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
 INIT_FROM_PROMOTED = "promoted"
@@ -117,7 +119,8 @@ class PipelineParams:
     max_cluster_restarts: int = 3
     """Pod restarts (exit >= 128) the launcher tolerates before failing the step (then the step's retry)."""
     backend: str = "pytorchjob"
-    """Where training runs: pytorchjob (Kubeflow training-operator) or local (subprocess in the step)."""
+    """Where training runs: pytorchjob (Kubeflow training-operator), trainjob (Kubeflow Trainer v2) or local
+    (subprocess in the step)."""
     init_from: str = ""
     """Warm start: '' (none), 'promoted' (the promoted model's checkpoint) or a checkpoint directory."""
     corpus: str = ""
@@ -161,7 +164,8 @@ class PipelineParams:
     eval_gpus: int = 0
     """GPUs (nvidia.com/gpu) of the evaluation step; 0 evaluates on CPU."""
     promoted_registry: str = ""
-    """JSON record of the promoted model (path or file:// URI); empty = <workdir>/promoted-<model>.json."""
+    """JSON record of the promoted model (path or file:// URI; empty = <workdir>/promoted-<model>.json), or a
+    Kubeflow Model Registry address https://HOST[:PORT][/MODEL_NAME] (name default resilient-train-<model>)."""
     min_improvement: float = 0.0
     """Promote only when val loss beats the promoted model's by more than this."""
     deadline_hours: float = 168.0
@@ -214,9 +218,11 @@ class PipelineParams:
         if self.init_from not in ("", INIT_FROM_PROMOTED) and not self.init_from.startswith("/"):
             e.append(f"init_from must be '', {INIT_FROM_PROMOTED!r} or an absolute checkpoint directory; "
                      f"got {self.init_from!r}")
-        if self.promoted_registry and not (self.promoted_registry.startswith(("/", "file://"))):
+        if self.promoted_registry and not (self.promoted_registry.startswith(("/", "file://", "http://",
+                                                                              "https://"))):
             e.append(f"promoted_registry must be an absolute path or file:// URI on shared storage (or empty for "
-                     f"<workdir>/promoted-<model>.json); got {self.promoted_registry!r}")
+                     f"<workdir>/promoted-<model>.json), or a Kubeflow Model Registry address "
+                     f"https://HOST[:PORT][/MODEL_NAME]; got {self.promoted_registry!r}")
         self._check_corpus(e)
         self._check_image(e)
         self._check_k8s_fields(e)
@@ -249,15 +255,15 @@ class PipelineParams:
         if self.backend == "local" and _is_int(self.nodes) and self.nodes != 1:
             e.append(f"nodes must be 1 with backend 'local' (one machine); got {self.nodes}: use backend "
                      "'pytorchjob' for several nodes")
-        if self.backend == "pytorchjob":
+        if self.backend in CLUSTER_BACKENDS:
             mount = PurePosixPath(SHARED_MOUNT)
             if self.workdir.startswith("/") and mount not in PurePosixPath(self.workdir).parents:
                 e.append(f"workdir {self.workdir!r} must be under {SHARED_MOUNT} (the PVC every step and training "
-                         f"pod mounts) with backend 'pytorchjob', e.g. {SHARED_MOUNT}/resilient-train")
+                         f"pod mounts) with backend {self.backend!r}, e.g. {SHARED_MOUNT}/resilient-train")
             if not _DNS1123_LABEL.fullmatch(self.pvc_name or ""):
                 e.append(f"pvc_name must name an existing PersistentVolumeClaim (DNS-1123); got {self.pvc_name!r}")
             if isinstance(self.image, str) and not self.image.strip():
-                e.append("image must name the trainer image with backend 'pytorchjob': compile with "
+                e.append(f"image must name the trainer image with backend {self.backend!r}: compile with "
                          "`python -m pipelines.compile --image REGISTRY/resilient-train:TAG` or pass the image "
                          "parameter")
         if self.namespace and not _DNS1123_LABEL.fullmatch(self.namespace):
@@ -359,5 +365,8 @@ DEFAULTS = PipelineParams()
 
 
 def registry_location(promoted_registry: str, workdir: str, model: str) -> str:
-    """The promoted record's location: the parameter, else ``<workdir>/promoted-<model>.json``."""
+    """The promoted record's location: the parameter, else ``<workdir>/promoted-<model>.json``; a Model
+    Registry address without a registered model name gets ``/resilient-train-<model>``."""
+    if promoted_registry.startswith(("http://", "https://")) and not urlparse(promoted_registry).path.strip("/"):
+        return f"{promoted_registry.rstrip('/')}/resilient-train-{_flavour_slug(model)}"
     return promoted_registry or f"{workdir.rstrip('/')}/promoted-{_flavour_slug(model)}.json"

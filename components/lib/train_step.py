@@ -1,4 +1,5 @@
-"""The train step: one interface, two backends (a PyTorchJob on the cluster, a subprocess locally).
+"""The train step: one interface, three backends (a PyTorchJob or a Kubeflow Trainer v2 TrainJob on the
+cluster, a subprocess locally).
 
 `run_train` builds the trainer's command line from the pipeline parameters and the run's layout, runs it
 with the chosen backend, and reads what the trainer left in the run directory (summary, recovery ledger,
@@ -129,6 +130,7 @@ class PyTorchJobBackend:
     """Submits a PyTorchJob and waits (`components.lib.k8s_launcher`); the pods mount the shared PVC."""
 
     name = "pytorchjob"
+    kind = "PyTorchJob"
 
     def __init__(self, launcher_factory: Callable[[], Any] | None = None) -> None:
         self._factory = launcher_factory
@@ -136,9 +138,10 @@ class PyTorchJobBackend:
     def _launcher(self) -> Any:
         if self._factory:
             return self._factory()
-        from components.lib.k8s_launcher import PyTorchJobLauncher
+        from components.lib import k8s_launcher
 
-        return PyTorchJobLauncher.from_environment()
+        launcher = {"pytorchjob": k8s_launcher.PyTorchJobLauncher, "trainjob": k8s_launcher.TrainJobLauncher}
+        return launcher[self.name].from_environment()
 
     def spec(self, p: PipelineParams, layout: RunLayout, args: list[str]) -> Any:
         from components.lib.pytorchjob import TrainJobSpec, job_name
@@ -155,7 +158,7 @@ class PyTorchJobBackend:
 
     def run(self, p: PipelineParams, layout: RunLayout, args: list[str], out: TextIO) -> BackendRun:
         spec = self.spec(p, layout, args)
-        out.write(f"[train] PyTorchJob {spec.namespace}/{spec.name}: {spec.nodes} node(s) x {spec.nproc_per_node} "
+        out.write(f"[train] {self.kind} {spec.namespace}/{spec.name}: {spec.nodes} node(s) x {spec.nproc_per_node} "
                   f"rank(s), image {spec.image}\n")
         result = self._launcher().run(spec)
         return BackendRun(result.restarts, {"job": result.name, "namespace": result.namespace,
@@ -166,7 +169,14 @@ class PyTorchJobBackend:
 
         name, ns = job_name(layout.run_id, TRAIN_STEP_NAME), namespace(p)
         deleted = self._launcher().delete(name, ns)
-        return f"deleted PyTorchJob {ns}/{name}" if deleted else f"PyTorchJob {ns}/{name} was already gone"
+        return f"deleted {self.kind} {ns}/{name}" if deleted else f"{self.kind} {ns}/{name} was already gone"
+
+
+class TrainJobBackend(PyTorchJobBackend):
+    """Submits a Kubeflow Trainer v2 TrainJob on our ClusterTrainingRuntime and waits (same launcher)."""
+
+    name = "trainjob"
+    kind = "TrainJob"
 
 
 def namespace(p: PipelineParams) -> str:
@@ -180,7 +190,8 @@ def namespace(p: PipelineParams) -> str:
 
 
 def backend_for(name: str) -> TrainBackend:
-    backends: dict[str, Callable[[], TrainBackend]] = {"local": LocalBackend, "pytorchjob": PyTorchJobBackend}
+    backends: dict[str, Callable[[], TrainBackend]] = {"local": LocalBackend, "pytorchjob": PyTorchJobBackend,
+                                                       "trainjob": TrainJobBackend}
     if name not in backends:
         raise TrainStepError(f"backend must be one of {sorted(backends)}; got {name!r}")
     return backends[name]()

@@ -17,9 +17,20 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-OVERLAYS = ("local-dev", "gpu-cluster", "kueue")
-PYTORCHJOB_CRD = REPO / "deploy" / "crds" / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
-TENSORBOARD_CRD = REPO / "deploy" / "crds" / "tensorboard.kubeflow.org_tensorboards.notebooks-44c97f1.yaml"
+OVERLAYS = ("local-dev", "gpu-cluster", "kueue", "trainjob")
+#: The train step's backend each overlay's Role serves (the operator the cluster runs).
+BACKEND_OF = {"local-dev": "pytorchjob", "gpu-cluster": "pytorchjob", "kueue": "pytorchjob", "trainjob": "trainjob"}
+CRDS = REPO / "deploy" / "crds"
+PYTORCHJOB_CRD = CRDS / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
+TENSORBOARD_CRD = CRDS / "tensorboard.kubeflow.org_tensorboards.notebooks-44c97f1.yaml"
+#: (apiVersion, kind) -> (vendored CRD file, served version) of every custom resource we build or ship.
+CRD_OF = {
+    ("kubeflow.org/v1", "PyTorchJob"): (PYTORCHJOB_CRD, "v1"),
+    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): (CRDS / "trainer.kubeflow.org_trainjobs.v2.3.0.yaml", "v1alpha1"),
+    ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"):
+        (CRDS / "trainer.kubeflow.org_clustertrainingruntimes.v2.3.0.yaml", "v1alpha1"),
+    ("tensorboard.kubeflow.org/v1alpha1", "Tensorboard"): (TENSORBOARD_CRD, "v1alpha1"),
+}
 # The oldest Kubernetes we claim to support; kubernetes-validate ships its OpenAPI schemas.
 K8S_VERSION = "1.30.0"
 
@@ -49,28 +60,14 @@ def render(kustomization_dir: Path) -> tuple[dict, ...]:
 
 
 @functools.cache
-def crd_schema(path: Path, version: str) -> dict:
-    """The openAPIV3Schema of `version` in a vendored CRD (deploy/crds/)."""
+def crd_schema(api_version: str, kind: str) -> dict:
+    """The openAPIV3Schema of the vendored CRD for (apiVersion, kind)."""
+    path, served = CRD_OF[(api_version, kind)]
     if not path.is_file():
-        pytest.fail(f"CRD schema missing: {path}", pytrace=False)
+        pytest.fail(f"{kind} CRD schema missing: {path}", pytrace=False)
     crd = yaml.safe_load(path.read_text())
-    (found,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    return found["schema"]["openAPIV3Schema"]
-
-
-def pytorchjob_schema() -> dict:
-    return crd_schema(PYTORCHJOB_CRD, "v1")
-
-
-def validate_custom_resource(obj: dict, schema: dict) -> None:
-    """Raise AssertionError unless `obj` passes the CRD `schema` without fields the API server would prune."""
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, f"{obj.get('kind')} fails its CRD schema:\n" + "\n".join(
-        f"  {'.'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors
-    )
-    # metadata is validated by the API server itself, not by the CRD schema.
-    unknown = pruned_fields({k: v for k, v in obj.items() if k != "metadata"}, schema)
-    assert not unknown, f"{obj.get('kind')} has fields the CRD does not define (they would be dropped): {unknown}"
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == served]
+    return version["schema"]["openAPIV3Schema"]
 
 
 def pruned_fields(obj, schema: dict, path: str = "") -> list[str]:
@@ -97,17 +94,32 @@ def pruned_fields(obj, schema: dict, path: str = "") -> list[str]:
     return found
 
 
+def validate_custom(obj: dict) -> None:
+    """Raise AssertionError unless the vendored CRD of `obj`'s kind accepts it without pruning a field."""
+    kind = obj.get("kind")
+    schema = crd_schema(obj.get("apiVersion"), kind)
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.path))
+    assert not errors, f"{kind} fails the CRD schema:\n" + "\n".join(
+        f"  {'.'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors
+    )
+    # metadata is validated by the API server itself, not by the CRD schema.
+    body = {k: v for k, v in obj.items() if k != "metadata"}
+    unknown = pruned_fields(body, schema)
+    assert not unknown, f"{kind} has fields the CRD does not define (they would be dropped): {unknown}"
+
+
 def validate_pytorchjob(obj: dict) -> None:
     """Raise AssertionError unless `obj` is a PyTorchJob the v1.9.4 CRD accepts without pruning."""
-    validate_custom_resource(obj, pytorchjob_schema())
+    assert (obj.get("apiVersion"), obj.get("kind")) == ("kubeflow.org/v1", "PyTorchJob"), obj.get("kind")
+    validate_custom(obj)
 
 
 def validate_object(obj: dict) -> None:
     """Validate one rendered object: core kinds against Kubernetes' OpenAPI (strict: unknown fields fail),
     PyTorchJob against its CRD, Kueue's LocalQueue structurally (its CRD is not vendored here)."""
     kind, api_version = obj.get("kind"), obj.get("apiVersion", "")
-    if kind == "PyTorchJob" and api_version == "kubeflow.org/v1":
-        validate_pytorchjob(obj)
+    if (api_version, kind) in CRD_OF:
+        validate_custom(obj)
     elif kind == "LocalQueue" and api_version.startswith("kueue.x-k8s.io/"):
         validate_localqueue(obj)
     else:

@@ -11,14 +11,14 @@ import itertools
 import sys
 
 import pytest
-from deploy_checks import DEPLOY, OVERLAYS, REPO, render, the
+from deploy_checks import BACKEND_OF, DEPLOY, OVERLAYS, REPO, render, the
 
 STUB = REPO / "tests" / "launcher" / "k8s_stub.py"
 CLUSTER_WIDE = {"ClusterRole", "ClusterRoleBinding"}
 RUNS_AS = "default-editor"  # the Kubeflow profile's ServiceAccount that pipeline steps run as
 
 
-def derived_permissions() -> set[tuple[str, str, str]]:
+def derived_permissions(backend: str) -> set[tuple[str, str, str]]:
     if not STUB.is_file():
         pytest.fail(f"{STUB.relative_to(REPO)} is missing: the Role cannot be checked against the launcher",
                     pytrace=False)
@@ -27,7 +27,7 @@ def derived_permissions() -> set[tuple[str, str, str]]:
         stub = importlib.import_module(STUB.stem)
     finally:
         sys.path.remove(str(STUB.parent))
-    return {tuple(p) for p in stub.launcher_permissions()}
+    return {tuple(p) for p in stub.launcher_permissions(backend)}
 
 
 def granted(role: dict) -> list[tuple[str, str, str]]:
@@ -46,14 +46,17 @@ def granted(role: dict) -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def launcher_needs() -> set[tuple[str, str, str]]:
-    needs = derived_permissions()
-    assert ("kubeflow.org", "pytorchjobs", "create") in needs, f"stub scenarios never created a job: {needs}"
+def launcher_needs() -> dict[str, set[tuple[str, str, str]]]:
+    needs = {backend: derived_permissions(backend) for backend in sorted(set(BACKEND_OF.values()))}
+    for backend, created in (("pytorchjob", ("kubeflow.org", "pytorchjobs", "create")),
+                             ("trainjob", ("trainer.kubeflow.org", "trainjobs", "create"))):
+        assert created in needs[backend], f"stub scenarios never created a job: {needs[backend]}"
     return needs
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_role_grants_exactly_what_the_launcher_uses(overlay, launcher_needs):
+    launcher_needs = launcher_needs[BACKEND_OF[overlay]]
     objects = render(DEPLOY / "overlays" / overlay)
     assert not [o for o in objects if o["kind"] in CLUSTER_WIDE], "no cluster-wide RBAC may be shipped"
     role = the(objects, "Role", "train-launcher")

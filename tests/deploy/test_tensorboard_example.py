@@ -7,7 +7,7 @@ from pathlib import PurePosixPath
 
 import pytest
 import yaml
-from deploy_checks import DEPLOY, TENSORBOARD_CRD, crd_schema, validate_custom_resource
+from deploy_checks import DEPLOY, validate_custom
 
 from components.lib.layout import RunLayout
 from components.lib.params import DEFAULTS, SHARED_MOUNT
@@ -24,7 +24,7 @@ def tensorboard() -> dict:
 
 def test_example_passes_the_tensorboard_crd(tensorboard):
     assert (tensorboard["apiVersion"], tensorboard["kind"]) == ("tensorboard.kubeflow.org/v1alpha1", "Tensorboard")
-    validate_custom_resource(tensorboard, crd_schema(TENSORBOARD_CRD, "v1alpha1"))
+    validate_custom(tensorboard)
     name = tensorboard["metadata"]["name"]
     assert DNS1123.match(name) and len(name) <= 63, name
     assert "namespace" not in tensorboard["metadata"], "applied with kubectl -n, like the rest of deploy/"
@@ -33,7 +33,7 @@ def test_example_passes_the_tensorboard_crd(tensorboard):
 def test_validator_rejects_a_misspelled_field(tensorboard):
     bad = {**tensorboard, "spec": {"logsPath": tensorboard["spec"]["logspath"]}}
     with pytest.raises(AssertionError, match="logspath|logsPath"):
-        validate_custom_resource(bad, crd_schema(TENSORBOARD_CRD, "v1alpha1"))
+        validate_custom(bad)
 
 
 def test_example_points_at_the_runs_train_directory(tensorboard):

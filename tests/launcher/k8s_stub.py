@@ -1,11 +1,21 @@
 """A stub Kubernetes API server for launcher tests, and the permissions the launcher uses.
 
 `StubCluster` serves, on 127.0.0.1 (a free port, `http.server.ThreadingHTTPServer` in a thread), just
-what `components.lib.k8s_launcher` calls: ``kubeflow.org/v1`` namespaced ``pytorchjobs``
-create/get/list/watch (``?watch=true``, chunked JSON lines)/delete; ``pods`` list; ``pods/log`` (follow,
-chunked). A `Scenario` plays the training-operator: after each create it applies its actions in order
-(conditions as v1.9 sets them, Master pods that start, log and exit), and it scripts watch disconnects,
-``410 Gone`` and a pre-existing job from an earlier attempt.
+what `components.lib.k8s_launcher` calls, for one backend: ``kubeflow.org/v1`` ``pytorchjobs`` or
+``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (namespaced create/get/list/watch (``?watch=true``, chunked
+JSON lines)/delete), ``jobset.x-k8s.io/v1alpha2`` ``jobsets`` get (the JobSet a TrainJob owns, for its
+``status.restarts``); ``pods`` list; ``pods/log`` (follow, chunked). A `Scenario` plays the operator:
+after each create it applies its actions in order (conditions, rank-0 pods that start, log and exit), and
+it scripts watch disconnects, ``410 Gone`` and a pre-existing job from an earlier attempt.
+
+The actions are written once for both backends; the stub's `_Flavour` says how each operator shows them.
+PyTorchJob: conditions as training-operator v1.9 sets them, pod ``<job>-master-0``. TrainJob: what the
+trainer reflects of its JobSet — ``jobsStatus`` per replicated job while it runs, ``Complete``/``Failed``
+conditions with JobSet's reasons at the end, the JobSet's ``status.restarts``; pods
+``<job>-node-0-0-<attempt>`` labelled as JobSet labels them (``restart-attempt`` included).
+`master_fails` lets the operator decide from the exit code: ``restartPolicy: ExitCode`` for PyTorchJob, and
+for TrainJob the failure policy of the ClusterTrainingRuntime that `components.lib.trainjob` builds,
+evaluated by `jobset_action` as the Job and JobSet controllers would.
 
 Every request is recorded as (method, path) and mapped to the RBAC triple (apiGroup, resource
 [/subresource], verb). `launcher_permissions()` runs representative launcher scenarios against the stub
@@ -32,8 +42,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s
 
-from components.lib.k8s_launcher import LauncherError, LauncherTimings, PyTorchJobLauncher
-from components.lib.pytorchjob import TrainJobSpec, build_pytorchjob, job_name, to_manifest
+from components.lib import trainjob
+from components.lib.k8s_launcher import JobLauncher, LauncherError, LauncherTimings, PyTorchJobLauncher, TrainJobLauncher
+from components.lib.pytorchjob import TrainJobSpec, job_name
 
 STEP_DELAY_S = 0.05
 """Pause between two scenario actions, so the launcher sees each state."""
@@ -47,7 +58,10 @@ FAST_TIMINGS = LauncherTimings(watch_timeout_s=2, request_timeout_s=5.0, stream_
 SWEEP_TIMINGS = replace(FAST_TIMINGS, deadline_margin_s=0.2)
 """For `launcher_permissions`: its deadline scenario need not wait long."""
 
-_JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([^/]+))?$")
+_JOBS = re.compile(r"^/apis/(kubeflow\.org|trainer\.kubeflow\.org)/(?:v1|v1alpha1)/namespaces/([^/]+)/"
+                   r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
+_JOBSETS = re.compile(r"^/apis/(jobset\.x-k8s\.io)/v1alpha2/namespaces/([^/]+)/(jobsets)(?:/([^/]+))?$")
+BACKENDS = ("pytorchjob", "trainjob")
 _PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
 
 Action = Callable[["StubCluster", str, str], None]
@@ -59,9 +73,14 @@ def _now() -> str:
 
 
 def condition(ctype: str, message: str = "", reason: str | None = None) -> Action:
-    """Set a job condition as training-operator v1.9 does (Running and Restarting replace each other)."""
-    return lambda cluster, ns, name: cluster.set_condition(ns, name, ctype, reason or f"PyTorchJob{ctype}",
-                                                           message or f"PyTorchJob {name} is {ctype.lower()}.")
+    """Set a job condition as training-operator v1.9 does (Running and Restarting replace each other); for a
+    TrainJob, its JobSet-reflected equivalent (see the module docstring)."""
+    return lambda cluster, ns, name: cluster.set_condition(ns, name, ctype, reason, message)
+
+
+def master_fails(code: int) -> Action:
+    """The rank-0 container exits with `code` and the operator applies its failure policy to it."""
+    return lambda cluster, ns, name: cluster.fail_master(ns, name, code)
 
 
 def master_up(*lines: str) -> Action:
@@ -136,11 +155,72 @@ class _PodLog:
     closed: bool = False
 
 
+@dataclass(frozen=True)
+class _Flavour:
+    """How one operator shows the scenario's actions."""
+
+    group: str
+    plural: str
+    list_kind: str
+    launcher: type[JobLauncher]
+    container: str
+    job_label: str
+    """Pod label naming the job."""
+
+    def pod_name(self, job: str, attempt: int) -> str:
+        return f"{job}-master-0" if self.plural == "pytorchjobs" else f"{job}-node-0-0-{attempt:05d}"
+
+    def pod_labels(self, job: str, attempt: int) -> dict[str, str]:
+        if self.plural == "pytorchjobs":
+            return {self.job_label: job, "training.kubeflow.org/replica-type": "master",
+                    "training.kubeflow.org/replica-index": "0"}
+        return {self.job_label: job, trainjob.REPLICATED_JOB_LABEL: trainjob.NODE, trainjob.JOB_INDEX_LABEL: "0",
+                trainjob.COMPLETION_INDEX_LABEL: "0", "jobset.sigs.k8s.io/restart-attempt": str(attempt)}
+
+
+FLAVOURS = {
+    "pytorchjob": _Flavour("kubeflow.org", "pytorchjobs", "PyTorchJobList", PyTorchJobLauncher, "pytorch",
+                           "training.kubeflow.org/job-name"),
+    "trainjob": _Flavour(trainjob.GROUP, trainjob.PLURAL, "TrainJobList", TrainJobLauncher, trainjob.NODE,
+                         trainjob.JOBSET_NAME_LABEL),
+}
+
+
+def manifest_for(spec: TrainJobSpec, backend: str) -> dict[str, Any]:
+    """The manifest the `backend`'s launcher submits for `spec`."""
+    return FLAVOURS[backend].launcher.kind.manifest(spec)
+
+
+def jobset_action(runtime: dict[str, Any], exit_code: int) -> str:
+    """What the runtime's failure policy does when the ``node`` container exits with `exit_code` != 0:
+    the Job's podFailurePolicy (first matching rule; FailJob fails the Job with reason PodFailurePolicy, else
+    backoffLimit 0 fails it with BackoffLimitExceeded), then the JobSet's failurePolicy rules (first rule whose
+    onJobFailureReasons holds the reason; none: RestartJobSet)."""
+    jobset = runtime["spec"]["template"]["spec"]
+    (node,) = [j for j in jobset["replicatedJobs"] if j["name"] == trainjob.NODE]
+    reason = "BackoffLimitExceeded"
+    for rule in (node["template"]["spec"].get("podFailurePolicy") or {}).get("rules", []):
+        req = rule.get("onExitCodes")
+        if req and req.get("containerName") in (None, trainjob.NODE) \
+                and (exit_code in req["values"]) == (req["operator"] == "In"):
+            reason = {"FailJob": trainjob.POD_FAILURE_POLICY_REASON}.get(rule["action"], reason)
+            break
+    for rule in (jobset.get("failurePolicy") or {}).get("rules", []):
+        if reason in (rule.get("onJobFailureReasons") or [reason]):
+            return rule["action"]
+    return trainjob.RESTART_JOBSET
+
+
 class StubCluster:
     """The stub API server and its state; a context manager that serves while open."""
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, backend: str = "pytorchjob") -> None:
         self.scenario = scenario
+        self.backend, self.flavour = backend, FLAVOURS[backend]
+        self.runtime = trainjob.to_manifest(trainjob.build_runtime())
+        """The ClusterTrainingRuntime whose failure policy the TrainJob "operator" applies."""
+        self.jobset_restarts: dict[tuple[str, str], int] = {}
+        self.exit_codes: dict[tuple[str, str], int] = {}
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.logs: dict[str, _PodLog] = {}
@@ -175,10 +255,10 @@ class StubCluster:
         return k8s.ApiClient(k8s.Configuration(host=f"http://127.0.0.1:{self.port}"))
 
     def launcher(self, out: io.StringIO | None = None,
-                 timings: LauncherTimings = FAST_TIMINGS) -> PyTorchJobLauncher:
-        """A launcher whose clients talk to this server."""
+                 timings: LauncherTimings = FAST_TIMINGS) -> JobLauncher:
+        """A launcher of this stub's backend whose clients talk to this server."""
         api = self.api_client()
-        return PyTorchJobLauncher(k8s.CustomObjectsApi(api), k8s.CoreV1Api(api), timings, out or io.StringIO())
+        return self.flavour.launcher(k8s.CustomObjectsApi(api), k8s.CoreV1Api(api), timings, out or io.StringIO())
 
     def permissions(self) -> set[tuple[str, str, str]]:
         """(apiGroup, resource, verb) of every request served so far."""
@@ -193,9 +273,10 @@ class StubCluster:
         job["status"] = {"conditions": []}
         with self.changed:
             self.jobs[(meta["namespace"], meta["name"])] = job
+            self.jobset_restarts[(meta["namespace"], meta["name"])] = 0
             self._bump("ADDED", job)
         if state is not None:
-            self.set_condition(meta["namespace"], meta["name"], state, f"PyTorchJob{state}", f"earlier {state}")
+            self.set_condition(meta["namespace"], meta["name"], state, None, f"earlier {state}")
         if state in (None, "Running"):
             threading.Thread(target=self._play, args=(meta["namespace"], meta["name"], job["metadata"]["uid"]),
                              daemon=True).start()
@@ -218,7 +299,11 @@ class StubCluster:
         self.events.append((rv, etype, json.loads(json.dumps(obj))))
         self.changed.notify_all()
 
-    def set_condition(self, ns: str, name: str, ctype: str, reason: str, message: str) -> None:
+    def set_condition(self, ns: str, name: str, ctype: str, reason: str | None, message: str) -> None:
+        if self.backend == "trainjob":
+            self._trainjob_status(ns, name, ctype, reason, message)
+            return
+        reason, message = reason or f"PyTorchJob{ctype}", message or f"PyTorchJob {name} is {ctype.lower()}."
         with self.changed:
             job = self.jobs[(ns, name)]
             now = _now()
@@ -232,20 +317,71 @@ class StubCluster:
             job["status"]["conditions"] = conds
             self._bump("MODIFIED", job)
 
+    def _trainjob_status(self, ns: str, name: str, ctype: str, reason: str | None, message: str) -> None:
+        """What the trainer reflects into the TrainJob of its JobSet for the scenario's `ctype`."""
+        with self.changed:
+            job = self.jobs[(ns, name)]
+            status = job["status"]
+            counts = {"name": trainjob.NODE, "active": 0, "ready": 0, "succeeded": 0, "failed": 0, "suspended": 0}
+            if ctype in ("Created", "Running"):
+                counts.update(active=1, ready=int(ctype == "Running"))
+            elif ctype == "Restarting":  # JobSet recreates its Jobs: a new restart attempt, pods not ready yet
+                self.jobset_restarts[(ns, name)] += 1
+                counts.update(active=1)
+            elif ctype in ("Succeeded", "Failed", "Suspended"):
+                counts.update(succeeded=int(ctype == "Succeeded"), failed=int(ctype == "Failed"),
+                              suspended=int(ctype == "Suspended"))
+                default_reason, default_message = {
+                    "Succeeded": ("AllJobsCompleted", "jobset completed successfully"),
+                    "Failed": ("FailedJobs", "jobset failed due to one or more job failures"),
+                    "Suspended": ("Suspended", "TrainJob is suspended")}[ctype]
+                ttype = {"Succeeded": "Complete"}.get(ctype, ctype)
+                status["conditions"] = [c for c in status["conditions"] if c["type"] != ttype] + [
+                    {"type": ttype, "status": "True", "reason": reason or default_reason,
+                     "message": message or default_message, "lastTransitionTime": _now()}]
+            else:
+                raise ValueError(f"the stub has no TrainJob equivalent of condition {ctype!r}")
+            status["jobsStatus"] = [counts]
+            self._bump("MODIFIED", job)
+
+    def fail_master(self, ns: str, name: str, code: int) -> None:
+        """The rank-0 container exits with `code`; the operator applies its exit-code policy."""
+        self.exit_master(ns, name, code)
+        if self.backend == "pytorchjob":  # restartPolicy: ExitCode
+            verdict = "restarting" if code >= 128 else "failing"
+            self.set_condition(ns, name, "Restarting" if code >= 128 else "Failed", None,
+                               f"PyTorchJob {name} is {verdict} because 1 Master replica(s) failed.")
+            return
+        action = jobset_action(self.runtime, code)
+        max_restarts = self.runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"]
+        if action == trainjob.FAIL_JOBSET:
+            self.set_condition(ns, name, "Failed", "FailJobSetFailurePolicyAction",
+                               f"applying FailJobSet failure policy action (first failed job: {name}-node-0)")
+        elif self.jobset_restarts[(ns, name)] >= max_restarts:
+            self.set_condition(ns, name, "Failed", "ReachedMaxRestarts",
+                               "jobset failed due to reaching max number of restarts")
+        else:
+            self.set_condition(ns, name, "Restarting", None, "")
+
+    def _rank0(self, ns: str, name: str) -> dict[str, Any]:
+        """The newest rank-0 pod of the job (caller holds `changed`)."""
+        pods = [p for (n, _), p in self.pods.items() if n == ns
+                and p["metadata"]["labels"].get(self.flavour.job_label) == name]
+        return max(pods, key=lambda p: p["metadata"]["creationTimestamp"])
+
     def start_master(self, ns: str, name: str, lines: Sequence[str]) -> None:
-        pod_name = f"{name}-master-0"
         uid = str(uuid.uuid4())
         with self.changed:
+            attempt = self.jobset_restarts.get((ns, name), 0)
+            pod_name = self.flavour.pod_name(name, attempt)
             old = self.pods.get((ns, pod_name))
             if old is not None:
                 self.logs[old["metadata"]["uid"]].closed = True
             self.pods[(ns, pod_name)] = {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": pod_name, "namespace": ns, "uid": uid, "creationTimestamp": _now(),
-                             "labels": {"training.kubeflow.org/job-name": name,
-                                        "training.kubeflow.org/replica-type": "master",
-                                        "training.kubeflow.org/replica-index": "0"}},
-                "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]},
+                             "labels": self.flavour.pod_labels(name, attempt)},
+                "spec": {"containers": [{"name": self.flavour.container, "image": "trainer"}]},
                 "status": {"phase": "Running"},
             }
             self.logs[uid] = _PodLog([(time.monotonic(), _now(), line) for line in lines])
@@ -253,17 +389,18 @@ class StubCluster:
 
     def master_log(self, ns: str, name: str, lines: Sequence[str]) -> None:
         with self.changed:
-            log = self.logs[self.pods[(ns, f"{name}-master-0")]["metadata"]["uid"]]
+            log = self.logs[self._rank0(ns, name)["metadata"]["uid"]]
             log.lines += [(time.monotonic(), _now(), line) for line in lines]
             self.changed.notify_all()
 
     def exit_master(self, ns: str, name: str, code: int) -> None:
         with self.changed:
-            pod = self.pods[(ns, f"{name}-master-0")]
+            pod = self._rank0(ns, name)
             pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
-                {"name": "pytorch", "ready": False, "restartCount": 0, "image": "trainer", "imageID": "",
-                 "state": {"terminated": {"exitCode": code}}}]}
+                {"name": self.flavour.container, "ready": False, "restartCount": 0, "image": "trainer",
+                 "imageID": "", "state": {"terminated": {"exitCode": code, "finishedAt": _now()}}}]}
             self.logs[pod["metadata"]["uid"]].closed = True
+            self.exit_codes[(ns, name)] = code
             self.changed.notify_all()
 
     def delete_job(self, ns: str, name: str, foreground: bool) -> dict[str, Any] | None:
@@ -287,7 +424,7 @@ class StubCluster:
             if job is None or job["metadata"]["uid"] != uid:
                 return
             for key in [k for k, p in self.pods.items()
-                        if k[0] == ns and p["metadata"]["labels"]["training.kubeflow.org/job-name"] == name]:
+                        if k[0] == ns and p["metadata"]["labels"][self.flavour.job_label] == name]:
                 self.logs[self.pods.pop(key)["metadata"]["uid"]].closed = True
             del self.jobs[(ns, name)]
             self._bump("DELETED", job)
@@ -311,8 +448,8 @@ class StubCluster:
 
 def _rbac(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
     """The (apiGroup, resource[/subresource], verb) an API server authorizes a request as."""
-    if m := _JOBS.match(path):
-        group, resource, item = "kubeflow.org", "pytorchjobs", m.group(2)
+    if m := (_JOBS.match(path) or _JOBSETS.match(path)):
+        group, resource, item = m.group(1), m.group(3), m.group(4)
     elif m := _PODS.match(path):
         group, resource, item = "", "pods" + ("/log" if m.group(3) else ""), m.group(2)
     else:
@@ -361,8 +498,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else {}
         self.stub.requests.append((method, url.path, _rbac(method, url.path, query)))
-        if m := _JOBS.match(url.path):
-            self._jobs(method, m.group(1), m.group(2), query, body)
+        if (m := _JOBS.match(url.path)) and m.group(3) == self.stub.flavour.plural:
+            self._jobs(method, m.group(2), m.group(4), query, body)
+        elif (m := _JOBSETS.match(url.path)) and method == "GET" and m.group(4) and self.stub.backend == "trainjob":
+            self._jobset(m.group(2), m.group(4))
         elif (m := _PODS.match(url.path)) and method == "GET":
             if m.group(3):
                 self._log(m.group(1), m.group(2), query)
@@ -381,7 +520,8 @@ class _Handler(BaseHTTPRequestHandler):
             with stub.changed:
                 exists = key in stub.jobs
             if exists:
-                self._json(409, _status(409, "AlreadyExists", f'pytorchjobs.kubeflow.org "{key[1]}" already exists'))
+                self._json(409, _status(409, "AlreadyExists", f'{stub.flavour.plural}.{stub.flavour.group} '
+                                                              f'"{key[1]}" already exists'))
                 return
             stub.created.append(key[1])
             self._json(201, stub.put_job(body))
@@ -395,7 +535,8 @@ class _Handler(BaseHTTPRequestHandler):
             with stub.changed:
                 items = [j for (n, _), j in stub.jobs.items() if n == ns and _selected(j, query)]
                 rv = str(stub.events[-1][0]) if stub.events else "1"
-            self._json(200, {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJobList",
+            self._json(200, {"apiVersion": items[0]["apiVersion"] if items else stub.flavour.group,
+                             "kind": stub.flavour.list_kind,
                              "metadata": {"resourceVersion": rv}, "items": items})
         elif method == "DELETE" and name is not None:
             foreground = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Foreground"
@@ -438,8 +579,21 @@ class _Handler(BaseHTTPRequestHandler):
                     return
         self._end_chunked()
 
-    def _not_found(self, name: str) -> None:
-        self._json(404, _status(404, "NotFound", f'pytorchjobs.kubeflow.org "{name}" not found'))
+    def _not_found(self, name: str, plural: str = "") -> None:
+        plural = plural or f"{self.stub.flavour.plural}.{self.stub.flavour.group}"
+        self._json(404, _status(404, "NotFound", f'{plural} "{name}" not found'))
+
+    def _jobset(self, ns: str, name: str) -> None:
+        """The JobSet the trainer made for TrainJob `name`: only what the launcher reads (status.restarts)."""
+        with self.stub.changed:
+            exists = (ns, name) in self.stub.jobs
+            restarts = self.stub.jobset_restarts.get((ns, name), 0)
+        if not exists:
+            self._not_found(name, "jobsets.jobset.x-k8s.io")
+            return
+        self._json(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                         "metadata": {"name": name, "namespace": ns},
+                         "status": {"restarts": restarts, "restartsCountTowardsMax": restarts}})
 
     # --- pods ----------------------------------------------------------------------------------
     def _list_pods(self, ns: str, query: dict[str, str]) -> None:
@@ -524,7 +678,8 @@ def _selected(job: dict[str, Any], query: dict[str, str]) -> bool:
 def representative_runs() -> Iterator[tuple[str, Scenario, TrainJobSpec]]:
     """The launcher paths whose API calls make up its permissions."""
     def spec(step: str, **kw: Any) -> TrainJobSpec:
-        return TrainJobSpec(name=job_name("rbac-run", step), namespace="ml", image="trainer:1", **kw)
+        return TrainJobSpec(name=job_name("rbac-run", step), namespace="ml", image="trainer:1",
+                            pvc_name="train-shared", **kw)
 
     yield "succeeds", Scenario(succeeding("step 1", "step 2")), spec("ok")
     yield "fails", Scenario(failing("exit 1", "boom")), spec("fail")
@@ -532,15 +687,16 @@ def representative_runs() -> Iterator[tuple[str, Scenario, TrainJobSpec]]:
     yield "resubmits", Scenario(succeeding("again"), existing_state="Failed"), spec("resubmit")
     yield "reconnects", Scenario(succeeding("a", "b"), watch_disconnects=1, watch_gone=1), spec("watch")
     yield "deadline", Scenario(running_forever()), spec("deadline", active_deadline_seconds=1)
+    yield "restarts", Scenario(restarting(1) + finishing("done")), spec("restart")
 
 
-def launcher_permissions() -> set[tuple[str, str, str]]:
-    """(apiGroup, resource, verb) of every request the launcher made in `representative_runs`."""
+def launcher_permissions(backend: str = "pytorchjob") -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every request `backend`'s launcher made in `representative_runs`."""
     used: set[tuple[str, str, str]] = set()
     for _, scenario, spec in representative_runs():
-        with StubCluster(scenario) as cluster:
+        with StubCluster(scenario, backend) as cluster:
             if scenario.existing_state:
-                cluster.put_job(to_manifest(build_pytorchjob(spec)), scenario.existing_state)
+                cluster.put_job(manifest_for(spec, backend), scenario.existing_state)
             try:
                 cluster.launcher(timings=SWEEP_TIMINGS).run(spec)
             except LauncherError:
@@ -550,10 +706,10 @@ def launcher_permissions() -> set[tuple[str, str, str]]:
     return used
 
 
-def rbac_rules() -> list[tuple[str, str, tuple[str, ...]]]:
+def rbac_rules(backend: str = "pytorchjob") -> list[tuple[str, str, tuple[str, ...]]]:
     """`launcher_permissions` grouped as Role rules: (apiGroup, resource, sorted verbs)."""
     grouped: dict[tuple[str, str], set[str]] = {}
-    for group, resource, verb in launcher_permissions():
+    for group, resource, verb in launcher_permissions(backend):
         grouped.setdefault((group, resource), set()).add(verb)
     return [(g, r, tuple(sorted(v))) for (g, r), v in sorted(grouped.items())]
 

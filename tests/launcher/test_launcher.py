@@ -235,6 +235,6 @@ def test_recorded_permissions() -> None:
 def test_rbac_rules_group_verbs_per_resource(monkeypatch: pytest.MonkeyPatch) -> None:
     import k8s_stub
 
-    monkeypatch.setattr(k8s_stub, "launcher_permissions", lambda: {
+    monkeypatch.setattr(k8s_stub, "launcher_permissions", lambda backend: {
         ("", "pods", "list"), ("kubeflow.org", "pytorchjobs", "get"), ("kubeflow.org", "pytorchjobs", "create")})
     assert rbac_rules() == [("", "pods", ("list",)), ("kubeflow.org", "pytorchjobs", ("create", "get"))]

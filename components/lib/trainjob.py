@@ -1,0 +1,279 @@
+"""Kubeflow Trainer v2 manifests for the train step (``trainer.kubeflow.org/v1alpha1``, Trainer v2.3).
+
+Two resources, both built only from the ``kubeflow_trainer_api`` models (PyPI ``kubeflow-trainer-api``):
+
+- `build_runtime` gives the ``ClusterTrainingRuntime`` this trainer runs on (``RUNTIME_NAME``): the
+  ``torch`` ML policy (the trainer injects ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
+  ``PET_MASTER_ADDR``, ``PET_MASTER_PORT`` into the container named ``node``, which is what
+  ``trainer_image/entrypoint.sh`` reads), one replicated job ``node`` running `ENTRYPOINT` (ft_launcher) in
+  our image, a memory-backed ``/dev/shm`` and the shared PVC at ``/mnt/shared``. It ships rendered in
+  ``deploy/cluster/trainjob-runtime/`` (``python -m components.lib.trainjob`` prints it; a test keeps the
+  file equal to this function's output).
+- `build_trainjob` turns the same `TrainJobSpec` the PyTorchJob backend takes into a ``TrainJob`` that
+  references the runtime: image, args, nodes, ranks per node, resources and env in ``spec.trainer``; the
+  per-run volume (PVC name, /dev/shm size), node selector, tolerations and service account in a
+  ``runtimePatches`` entry of ours.
+
+The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend):
+
+- The ``node`` Job has ``backoffLimit: 0`` and a ``podFailurePolicy`` whose rule ``FailJob`` matches exit
+  codes 1-127 of the ``node`` container (permanent: bad config, data, a bug); the Job then fails with reason
+  ``PodFailurePolicy``. Any other failure (>= 128: killed, preempted, budget spent, unhealthy node) fails the
+  Job with ``BackoffLimitExceeded``.
+- The JobSet's ``failurePolicy`` rule ``FailJobSet`` on ``PodFailurePolicy`` ends the whole job at once: a
+  permanent code is never restarted. Every other Job failure takes JobSet's default action,
+  ``RestartJobSet``: all pods are recreated and the trainer resumes from its latest checkpoint.
+- The restart *budget* is the launcher's own (``max_cluster_restarts``, per run), as for PyTorchJob: JobSet's
+  ``maxRestarts`` lives in the shared runtime and cannot be patched per TrainJob, so it is set to the largest
+  budget the pipeline accepts (`MAX_RESTARTS`) as a server-side backstop, and the launcher counts JobSet's
+  ``status.restarts`` and deletes the TrainJob when the run's budget is spent.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from kubeflow_trainer_api import models as m
+
+from components.lib.local_launcher import RETRYABLE_MIN
+from components.lib.params import DEFAULTS, MAX_RESTARTS, SHARED_MOUNT
+from components.lib.pytorchjob import (
+    DEFAULT_TTL_AFTER_FINISHED_S,
+    ENTRYPOINT,
+    FT_MAX_RESTARTS_ENV,
+    GPU_RESOURCE,
+    IMAGE_UID,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    POD_ANNOTATIONS,
+    SHARED_VOLUME,
+    SHM_PATH,
+    SHM_VOLUME,
+    TrainJobSpec,
+    is_dns1035,
+)
+
+GROUP = "trainer.kubeflow.org"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainJob"
+PLURAL = "trainjobs"
+RUNTIME_KIND = "ClusterTrainingRuntime"
+RUNTIME_NAME = "resilient-train-torch"
+NODE = "node"
+"""Name of the replicated job and of its container: the torch plugin injects PET_* into this container only."""
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+"""Marks the replicated job that TrainJob.spec.trainer overrides."""
+FRAMEWORK_LABEL = "trainer.kubeflow.org/framework"
+PATCH_MANAGER = "resilient-train.dev/launcher"
+"""Owner of our runtimePatches entry (a domain-prefixed path, as the trainer's webhook requires)."""
+PERMANENT_EXIT_CODES = list(range(1, RETRYABLE_MIN))
+"""1-127: nothing restarts these (the trainer's exitcodes contract, mirrored: components never import it)."""
+PERMANENT_RULE = "PermanentExitCode"
+POD_FAILURE_POLICY_REASON = "PodFailurePolicy"
+"""The batch/v1 Job failure reason when a podFailurePolicy FailJob rule matched."""
+FAIL_JOBSET, RESTART_JOBSET, FAIL_JOB = "FailJobSet", "RestartJobSet", "FailJob"
+TORCH_RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+#: Pod labels JobSet sets; the launcher finds the rank-0 pod and the restart attempt with them.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+DEFAULT_PULL_POLICY = "IfNotPresent"
+DEFAULT_SHM_SIZE = "1Gi"
+
+
+def _quantity(value: str) -> m.IoK8sApimachineryPkgApiResourceQuantity:
+    return m.IoK8sApimachineryPkgApiResourceQuantity(value)
+
+
+def _volumes(pvc_name: str, shm_size: str) -> list[m.IoK8sApiCoreV1Volume]:
+    return [
+        m.IoK8sApiCoreV1Volume(name=SHM_VOLUME, empty_dir=m.IoK8sApiCoreV1EmptyDirVolumeSource(
+            medium="Memory", size_limit=_quantity(shm_size))),
+        m.IoK8sApiCoreV1Volume(name=SHARED_VOLUME, persistent_volume_claim=m.IoK8sApiCoreV1PersistentVolumeClaimVolumeSource(
+            claim_name=pvc_name)),
+    ]
+
+
+RUNTIME_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
+"""The runtime's default image: every TrainJob the launcher builds sets the run's image in ``spec.trainer``."""
+
+
+def _node_job(image: str, pvc_name: str) -> m.JobsetV1alpha2ReplicatedJob:
+    container = m.IoK8sApiCoreV1Container(
+        name=NODE, image=image, image_pull_policy=DEFAULT_PULL_POLICY, command=[ENTRYPOINT],
+        env=[m.IoK8sApiCoreV1EnvVar(name="PYTHONUNBUFFERED", value="1")],
+        volume_mounts=[m.IoK8sApiCoreV1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH),
+                       m.IoK8sApiCoreV1VolumeMount(name=SHARED_VOLUME, mount_path=SHARED_MOUNT)])
+    # FT: exit codes 1-127 fail the Job with reason PodFailurePolicy (never restarted); the JobSet rule below
+    # turns that into FailJobSet. backoffLimit 0: any other failure fails the Job, and JobSet restarts the set.
+    failure = m.IoK8sApiBatchV1PodFailurePolicy(rules=[m.IoK8sApiBatchV1PodFailurePolicyRule(
+        action=FAIL_JOB, on_exit_codes=m.IoK8sApiBatchV1PodFailurePolicyOnExitCodesRequirement(
+            container_name=NODE, operator="In", values=PERMANENT_EXIT_CODES))])
+    pod = m.IoK8sApiCoreV1PodTemplateSpec(
+        metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(annotations=dict(POD_ANNOTATIONS),
+                                                           labels={MANAGED_BY_LABEL: MANAGED_BY}),
+        spec=m.IoK8sApiCoreV1PodSpec(
+            restart_policy="Never",  # podFailurePolicy requires it; restarts are JobSet's
+            containers=[container], volumes=_volumes(pvc_name, DEFAULT_SHM_SIZE),
+            # The image's non-root user (trainer_image/Dockerfile); fsGroup makes the shared volume writable.
+            security_context=m.IoK8sApiCoreV1PodSecurityContext(
+                run_as_non_root=True, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, fs_group=IMAGE_UID)))
+    return m.JobsetV1alpha2ReplicatedJob(
+        name=NODE, replicas=1,
+        template=m.IoK8sApiBatchV1JobTemplateSpec(
+            metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels={ANCESTOR_LABEL: "trainer"}),
+            spec=m.IoK8sApiBatchV1JobSpec(backoff_limit=0, pod_failure_policy=failure, template=pod)))
+
+
+def build_runtime(image: str = RUNTIME_IMAGE, pvc_name: str = DEFAULTS.pvc_name,
+                  name: str = RUNTIME_NAME) -> m.TrainerV1alpha1ClusterTrainingRuntime:
+    """The ClusterTrainingRuntime of this trainer (see the module docstring)."""
+    jobset = m.JobsetV1alpha2JobSetSpec(
+        replicated_jobs=[_node_job(image, pvc_name)],
+        ttl_seconds_after_finished=DEFAULT_TTL_AFTER_FINISHED_S,
+        failure_policy=m.JobsetV1alpha2FailurePolicy(
+            max_restarts=MAX_RESTARTS,  # backstop only: the launcher enforces each run's max_cluster_restarts
+            rules=[m.JobsetV1alpha2FailurePolicyRule(name=PERMANENT_RULE, action=FAIL_JOBSET,
+                                                     on_job_failure_reasons=[POD_FAILURE_POLICY_REASON])]))
+    return m.TrainerV1alpha1ClusterTrainingRuntime(
+        api_version=API_VERSION, kind=RUNTIME_KIND,
+        metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=name, labels={FRAMEWORK_LABEL: "torch"}),
+        spec=m.TrainerV1alpha1TrainingRuntimeSpec(
+            ml_policy=m.TrainerV1alpha1MLPolicy(num_nodes=1, torch=m.TrainerV1alpha1TorchMLPolicySource()),
+            template=m.TrainerV1alpha1JobSetTemplateSpec(spec=jobset)))
+
+
+def unsupported_fields(spec: TrainJobSpec) -> list[str]:
+    """`TrainJobSpec` settings a TrainJob cannot carry (the runtime fixes them); empty when none."""
+    errors = []
+    if spec.secret_env_from:
+        errors.append("secret_env_from: TrainJob has no envFrom; pass secrets as env valueFrom in the runtime")
+    if spec.priority_class:
+        errors.append("priority_class: set priorityClassName in the ClusterTrainingRuntime instead")
+    if spec.image_pull_policy != DEFAULT_PULL_POLICY:
+        errors.append(f"image_pull_policy: the runtime fixes {DEFAULT_PULL_POLICY}; got {spec.image_pull_policy!r}")
+    if not spec.pvc_name:
+        errors.append("pvc_name: the runtime mounts the shared PVC; name it")
+    if spec.mount_path != SHARED_MOUNT:
+        errors.append(f"mount_path: the runtime mounts the shared PVC at {SHARED_MOUNT}; got {spec.mount_path!r}")
+    return errors
+
+
+def _resources(spec: TrainJobSpec) -> m.IoK8sApiCoreV1ResourceRequirements:
+    requests = {"cpu": spec.cpu_request, "memory": spec.memory_request}
+    limits = {k: v for k, v in (("cpu", spec.cpu_limit), ("memory", spec.memory_limit)) if v is not None}
+    if spec.gpus_per_node:
+        limits[GPU_RESOURCE] = str(spec.gpus_per_node)
+    return m.IoK8sApiCoreV1ResourceRequirements(
+        requests={k: _quantity(v) for k, v in requests.items()},
+        limits={k: _quantity(v) for k, v in limits.items()} or None)
+
+
+def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
+    tolerations = [m.IoK8sApiCoreV1Toleration(
+        key=t.get("key"), operator=t.get("operator"), value=t.get("value"), effect=t.get("effect"),
+        toleration_seconds=t.get("tolerationSeconds")) for t in spec.tolerations]
+    pod = m.TrainerV1alpha1PodTemplatePatch(
+        metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels=_labels(spec)),
+        spec=m.TrainerV1alpha1PodSpecPatch(
+            volumes=_volumes(str(spec.pvc_name), spec.shm_size), node_selector=dict(spec.node_selector) or None,
+            tolerations=tolerations or None, service_account_name=spec.service_account))
+    node = m.TrainerV1alpha1ReplicatedJobPatch(
+        name=NODE, template=m.TrainerV1alpha1JobTemplatePatch(spec=m.TrainerV1alpha1JobSpecPatch(template=pod)))
+    return m.TrainerV1alpha1RuntimePatch(
+        manager=PATCH_MANAGER, training_runtime_spec=m.TrainerV1alpha1TrainingRuntimeSpecPatch(
+            template=m.TrainerV1alpha1JobSetTemplatePatch(
+                spec=m.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=[node]))))
+
+
+def _labels(spec: TrainJobSpec) -> dict[str, str]:
+    return {**spec.labels, MANAGED_BY_LABEL: MANAGED_BY}
+
+
+def build_trainjob(spec: TrainJobSpec, runtime: str = RUNTIME_NAME) -> m.TrainerV1alpha1TrainJob:
+    """The TrainJob for `spec` on ClusterTrainingRuntime `runtime`; ValueError for settings it cannot carry."""
+    errors = unsupported_fields(spec)
+    if errors:
+        raise ValueError(f"TrainJobSpec {spec.name!r} cannot run as a TrainJob:\n  - " + "\n  - ".join(errors))
+    env = [m.IoK8sApiCoreV1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts))]
+    env += [m.IoK8sApiCoreV1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
+    return m.TrainerV1alpha1TrainJob(
+        api_version=API_VERSION, kind=KIND,
+        metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            name=spec.name, namespace=spec.namespace, labels=_labels(spec),
+            annotations=dict(spec.annotations) or None),
+        spec=m.TrainerV1alpha1TrainJobSpec(
+            runtime_ref=m.TrainerV1alpha1RuntimeRef(api_group=GROUP, kind=RUNTIME_KIND, name=runtime),
+            active_deadline_seconds=spec.active_deadline_seconds,
+            trainer=m.TrainerV1alpha1Trainer(
+                image=spec.image, args=list(spec.args), env=env, num_nodes=spec.nodes,
+                num_proc_per_node=spec.nproc_per_node, resources_per_node=_resources(spec)),
+            runtime_patches=[_runtime_patch(spec)]))
+
+
+def to_manifest(obj: m.TrainerV1alpha1TrainJob | m.TrainerV1alpha1ClusterTrainingRuntime) -> dict[str, Any]:
+    """The camelCase dict the API server takes (None fields dropped)."""
+    return obj.to_dict()
+
+
+def webhook_errors(manifest: Mapping[str, Any]) -> list[str]:
+    """Violations of the Trainer v2.3 TrainJob admission rules we rely on; empty when valid."""
+    errors: list[str] = []
+    name = manifest.get("metadata", {}).get("name", "")
+    if not is_dns1035(name):
+        errors.append(f"metadata.name: Invalid value {name!r}: must be a DNS-1035 label")
+    spec = manifest.get("spec") or {}
+    if not (spec.get("runtimeRef") or {}).get("name"):
+        errors.append("spec.runtimeRef.name: Required value: the ClusterTrainingRuntime to run on")
+    trainer = spec.get("trainer") or {}
+    reserved = sorted({e.get("name") for e in trainer.get("env") or []} & set(TORCH_RESERVED_ENV))
+    if reserved:
+        errors.append(f"spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: {reserved}")
+    nproc = trainer.get("numProcPerNode")
+    if isinstance(nproc, str) and nproc not in ("auto", "cpu", "gpu"):
+        errors.append(f"spec.trainer.numProcPerNode: Invalid value {nproc!r}: must have an int value or [auto cpu gpu]")
+    for patch in spec.get("runtimePatches") or []:
+        jobs = ((((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {})
+                .get("replicatedJobs") or [])
+        for job in jobs:
+            if job.get("name") != NODE:
+                errors.append(f"spec.runtimePatches: Invalid value: replicated job {job.get('name')!r} is not in "
+                              f"runtime {RUNTIME_NAME!r} (it has {NODE!r})")
+    return errors
+
+
+def node0_selector(name: str) -> str:
+    """Label selector of the TrainJob's rank-0 pod (node 0 of replicated job ``node``)."""
+    return (f"{JOBSET_NAME_LABEL}={name},{REPLICATED_JOB_LABEL}={NODE},{JOB_INDEX_LABEL}=0,"
+            f"{COMPLETION_INDEX_LABEL}=0")
+
+
+def runtime_yaml(image: str = RUNTIME_IMAGE, pvc_name: str = DEFAULTS.pvc_name) -> str:
+    """The shipped runtime file's text (deploy/cluster/trainjob-runtime/clustertrainingruntime.yaml)."""
+    header = ("# Generated by `python -m components.lib.trainjob` from components/lib/trainjob.py (build_runtime);\n"
+              "# a test keeps it equal. Cluster-scoped: a cluster admin applies it once per cluster.\n")
+    return header + yaml.safe_dump(to_manifest(build_runtime(image, pvc_name)), sort_keys=False, default_flow_style=None)
+
+
+_IMAGE = re.compile(r"^\S+$")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the ClusterTrainingRuntime: ``python -m components.lib.trainjob [IMAGE [PVC]]``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 2 or (args and not _IMAGE.match(args[0])):
+        print("usage: python -m components.lib.trainjob [IMAGE [PVC_NAME]]", file=sys.stderr)
+        return 2
+    sys.stdout.write(runtime_yaml(*args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The launcher's guarantees for BOTH cluster backends (PyTorchJob, TrainJob) against the stub API server:
+attach, failure with each exit class, the restart budget, cancel, and re-attach after the launcher's own pod
+restarts. The TrainJob "operator" decides restarts from the failure policy of the ClusterTrainingRuntime that
+`components.lib.trainjob` builds (`k8s_stub.jobset_action`), so these tests exercise the shipped policy."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+
+import pytest
+from k8s_stub import (
+    BACKENDS,
+    Scenario,
+    StubCluster,
+    condition,
+    finishing,
+    jobset_action,
+    launcher_permissions,
+    manifest_for,
+    master_exit,
+    master_fails,
+    master_log,
+    master_up,
+    running_forever,
+    succeeding,
+)
+
+from components.lib import trainjob
+from components.lib.k8s_launcher import JobFailedError, LauncherTerminated, RestartBudgetExceededError
+from components.lib.pytorchjob import TrainJobSpec, job_name
+from trainer.exitcodes import ExitCode, is_retryable
+
+NS = "ml"
+GONE_WAIT_S = 3.0
+PERMANENT = [c for c in ExitCode if c != ExitCode.OK and not is_retryable(c)]
+RETRYABLE = [c for c in ExitCode if is_retryable(c)]
+pytestmark = pytest.mark.timeout(30)
+
+
+def _spec(**changes: object) -> TrainJobSpec:
+    fields: dict[str, object] = {"active_deadline_seconds": 15, "pvc_name": "train-shared", **changes}
+    return TrainJobSpec(name=job_name("run-42", "train"), namespace=NS, image="trainer:1",
+                        args=["--train.steps=10"], **fields)
+
+
+def _started(*lines: str) -> list:
+    return [condition("Created"), master_up(*lines), condition("Running")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_success_follows_the_rank0_log(backend: str) -> None:
+    spec, out = _spec(), io.StringIO()
+    with StubCluster(Scenario(succeeding("step 1 loss 3.1", "done")), backend) as cluster:
+        result = cluster.launcher(out).run(spec)
+        assert cluster.created == [spec.name] and cluster.deleted == []
+    assert (result.restarts, result.state) == (0, {"pytorchjob": "Succeeded", "trainjob": "Complete"}[backend])
+    assert [ln.split("] ", 1)[1] for ln in out.getvalue().splitlines() if "] ---" not in ln] == [
+        "step 1 loss 3.1", "done"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conflict_attaches_to_the_running_job(backend: str) -> None:
+    spec, out = _spec(), io.StringIO()
+    with StubCluster(Scenario(finishing("resumed at step 500")), backend) as cluster:
+        cluster.put_job(manifest_for(spec, backend), "Running")
+        cluster.launcher(out).run(spec)
+        assert cluster.created == [] and cluster.deleted == []
+    assert "resumed at step 500" in out.getvalue()
+
+
+@pytest.mark.parametrize("code", PERMANENT, ids=lambda c: c.name)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permanent_exit_fails_at_once_with_the_trainers_code(backend: str, code: ExitCode) -> None:
+    spec = _spec(max_cluster_restarts=3)
+    scenario = Scenario(_started() + [master_log(f"fatal: {code.name}"), master_fails(code)])
+    with StubCluster(scenario, backend) as cluster:
+        with pytest.raises(JobFailedError) as err:
+            cluster.launcher().run(spec)
+        assert cluster.jobset_restarts.get((NS, spec.name), 0) == 0  # never restarted
+        assert cluster.deleted == []  # finished: kept for post-mortems until the exit handler
+    assert err.value.exit_code == code
+    assert f"trainer exit code {int(code)} ({code.name})" in str(err.value)
+    assert err.value.log_tail[-1] == f"fatal: {code.name}"
+
+
+@pytest.mark.parametrize("code", RETRYABLE, ids=lambda c: c.name)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retryable_exit_restarts_and_resumes(backend: str, code: ExitCode) -> None:
+    spec, out = _spec(max_cluster_restarts=1), io.StringIO()
+    scenario = Scenario(_started("attempt 0") + [master_fails(code), master_up("attempt 1"), condition("Running"),
+                                                 master_exit(0), condition("Succeeded")], step_delay_s=0.1)
+    with StubCluster(scenario, backend) as cluster:
+        result = cluster.launcher(out).run(spec)
+    assert result.restarts == 1
+    assert "attempt 0" in out.getvalue() and "attempt 1" in out.getvalue()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restart_budget_exceeded_deletes_the_job(backend: str) -> None:
+    spec = _spec(max_cluster_restarts=1)
+    actions = _started("attempt 0")
+    for attempt in (1, 2):
+        actions += [master_fails(ExitCode.KILLED), master_up(f"attempt {attempt}"), condition("Running")]
+    with StubCluster(Scenario(actions + running_forever()[2:], step_delay_s=0.1), backend) as cluster:
+        with pytest.raises(RestartBudgetExceededError, match="restarted 2 times, more than max_cluster_restarts=1"):
+            cluster.launcher().run(spec)
+        assert cluster.deleted == [(spec.name, True)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_cancel_deletes_the_job(backend: str) -> None:
+    spec = _spec()
+    with StubCluster(Scenario(running_forever()), backend) as cluster:
+        running = threading.Thread(target=lambda: cluster.wait_for(
+            lambda: bool(cluster.pods), GONE_WAIT_S) and os.kill(os.getpid(), signal.SIGTERM))
+        running.start()
+        with pytest.raises(LauncherTerminated, match="SIGTERM"):
+            cluster.launcher().run(spec)
+        running.join()
+        assert cluster.deleted == [(spec.name, True)]
+        assert cluster.wait_for(lambda: (NS, spec.name) not in cluster.jobs, GONE_WAIT_S)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reattach_after_the_launchers_pod_restarts(backend: str) -> None:
+    """The first launcher pod died without cleaning up (no exit handler ran): its job runs on. The next
+    launcher finds it by its deterministic name, follows the current rank-0 pod, counts the restart that
+    happens while it watches, and the exit handler deletes the finished job."""
+    spec, out = _spec(max_cluster_restarts=2), io.StringIO()
+    actions = [master_up("step 40 (before the launcher restarted)"), master_fails(ExitCode.UNHEALTHY_NODE),
+               master_up("resumed from step 40"), condition("Running"), master_exit(0), condition("Succeeded")]
+    with StubCluster(Scenario(actions, step_delay_s=0.1), backend) as cluster:
+        cluster.put_job(manifest_for(spec, backend), "Running")
+        launcher = cluster.launcher(out)
+        result = launcher.run(spec)
+        assert cluster.created == []
+        assert launcher.delete(spec.name, NS) is True  # the exit handler
+        assert cluster.wait_for(lambda: (NS, spec.name) not in cluster.jobs, GONE_WAIT_S)
+    assert result.restarts == 1
+    assert "resumed from step 40" in out.getvalue()
+
+
+def test_runtime_failure_policy_never_restarts_a_permanent_code() -> None:
+    runtime = trainjob.to_manifest(trainjob.build_runtime())
+    for code in range(1, 256):
+        expected = trainjob.RESTART_JOBSET if is_retryable(code) else trainjob.FAIL_JOBSET
+        assert jobset_action(runtime, code) == expected, code
+
+
+def test_trainjob_permissions() -> None:
+    assert launcher_permissions("trainjob") == {
+        ("trainer.kubeflow.org", "trainjobs", "create"), ("trainer.kubeflow.org", "trainjobs", "get"),
+        ("trainer.kubeflow.org", "trainjobs", "list"), ("trainer.kubeflow.org", "trainjobs", "watch"),
+        ("trainer.kubeflow.org", "trainjobs", "delete"), ("jobset.x-k8s.io", "jobsets", "get"),
+        ("", "pods", "list"), ("", "pods/log", "get")}
+
+
+def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
+    from components.lib.k8s_launcher import job_state
+
+    def status(conditions: list, active: int) -> dict:
+        return {"status": {"conditions": conditions, "jobsStatus": [{"name": "node", "active": active}]}}
+
+    suspended = {"type": "Suspended", "status": "False", "reason": "Resumed"}
+    assert job_state(status([], 0), "Complete") == "Pending"
+    assert job_state(status([suspended], 1), "Complete") == "Running"
+    assert job_state(status([{**suspended, "status": "True"}], 0), "Complete") == "Suspended"
+    assert job_state(status([{"type": "Complete", "status": "True"}], 0), "Complete") == "Complete"
+    assert job_state(status([{"type": "Failed", "status": "True"}], 1), "Complete") == "Failed"
+
+
+def test_trainjob_counts_restarts_from_before_the_launcher_attached() -> None:
+    """JobSet's restart count is absolute: a re-attaching launcher sees a budget already spent."""
+    spec = _spec(max_cluster_restarts=1)
+    with StubCluster(Scenario(), "trainjob") as cluster:
+        cluster.put_job(manifest_for(spec, "trainjob"), "Running")
+        cluster.jobset_restarts[(NS, spec.name)] = 2
+        with pytest.raises(RestartBudgetExceededError, match="restarted 2 times, more than max_cluster_restarts=1"):
+            cluster.launcher().run(spec)
+        assert cluster.deleted == [(spec.name, True)]
+
+
+def test_trainjob_failed_by_jobsets_own_restart_limit_is_a_spent_budget() -> None:
+    scenario = Scenario(_started() + [condition("Failed", "jobset failed due to reaching max number of restarts",
+                                                reason="ReachedMaxRestarts")])
+    with StubCluster(scenario, "trainjob") as cluster:
+        with pytest.raises(RestartBudgetExceededError):
+            cluster.launcher().run(_spec())
