@@ -182,6 +182,11 @@ def record_exit(code: int, reason: str = "") -> None:
         return
     entrypoint = os.environ.get(ENTRYPOINT_PID_ENV, "")
     if ends_job(int(code)) and entrypoint.isdigit():
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            # The launcher's stop (SIGTERM) must not turn this exit into TERMINATED while the process ends.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:  # FT: ft_launcher would restart the group on any failure; the entrypoint stops it instead
             os.kill(int(entrypoint), signal.SIGUSR1)
         except OSError:  # the entrypoint is gone: nothing left to stop

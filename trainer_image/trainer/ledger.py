@@ -176,14 +176,14 @@ class Ledger:
         records = read(self.path)
         since = max((r["time"] for r in records
                      if r["event"] == "start" or (r["event"] == "restart" and r["rank"] == self.rank)), default=0.0)
-        exits = {r["rank"]: r for r in records if r["event"] == "exit" and r["time"] >= since}
-        killed = [rank for rank in range(self.world_size) if rank not in exits]
-        first = sorted(exits.values(), key=lambda r: (r["name"] == "TERMINATED", r["time"]))
-        kind = "killed" if killed else first[0]["name"].lower()
+        exits = sorted((r for r in records if r["event"] == "exit" and r["time"] >= since),
+                       key=lambda r: (r["name"] == "TERMINATED", r["time"]))  # the stopped peers last
+        killed = [rank for rank in range(self.world_size) if rank not in {r["rank"] for r in exits}]
+        kind = "killed" if killed else exits[0]["name"].lower()
         parts = [f"rank {rank}: no exit recorded (SIGKILL, OOM kill, heartbeat timeout or node lost)" for rank in killed]
         parts += [f"rank {r['rank']}: exit {r['code']} ({r['name']}) {r.get('reason', '')}".rstrip()
-                  for r in sorted(exits.values(), key=lambda r: r["rank"])]
-        times = [r["time"] for r in exits.values()]
+                  for r in sorted(exits, key=lambda r: (r["rank"], r["time"]))]
+        times = [r["time"] for r in exits]
         return {"kind": kind, "time": min(times) if times else None, "step": None, "detail": "; ".join(parts)}
 
 

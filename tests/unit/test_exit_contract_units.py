@@ -221,3 +221,31 @@ def test_evaluate_without_a_committed_checkpoint_says_why_in_one_line(tmp_path, 
     assert len(lines) == 1 and "step-00000004.tmp" in lines[0] and "a save that never finished" in lines[0]
     assert "see the warnings above" not in err and "Traceback" not in err
     assert snapshot(ckpt) == before and not (tmp_path / "o.json").exists()
+
+
+# --- the local backend: a permanent exit is one launch; every launch's TMPDIR is removed ---------------------
+def test_local_backend_relaunches_launcher_lost_stops_on_permanent_and_removes_each_tmpdir(tmp_path):
+    from components.lib.local_launcher import LocalJobSpec, LocalLauncher, PermanentFailure
+
+    entry = tmp_path / "entrypoint.sh"
+    entry.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""
+        import os, sys
+        from pathlib import Path
+        tmp = Path(os.environ["TMPDIR"])
+        (tmp / "pymp-left").mkdir()  # what a killed worker leaves behind
+        (tmp / "torchelastic_left").mkdir()
+        with open({str(tmp_path / 'tmpdirs')!r}, "a") as f:
+            f.write(str(tmp) + "\\n")
+        n = len(open({str(tmp_path / 'tmpdirs')!r}).read().splitlines())
+        sys.exit({int(ExitCode.LAUNCHER_LOST)} if n == 1 else {int(ExitCode.DATA_ERROR)})
+    """))
+    entry.chmod(0o755)
+    out = io.StringIO()
+    with pytest.raises(PermanentFailure) as err:
+        LocalLauncher(out).run(LocalJobSpec(args=["--config", "tiny"], entrypoint=entry, state_dir=tmp_path / "state",
+                                            max_cluster_restarts=5, relaunch_delay_s=0))
+    tmpdirs = (tmp_path / "tmpdirs").read_text().split()
+    assert len(tmpdirs) == 2 and tmpdirs[0] != tmpdirs[1], "one launch per exit: 204 relaunched, 3 not"
+    assert "exit 204 (LAUNCHER_LOST) is retryable: relaunching" in out.getvalue()
+    assert err.value.exit_code == ExitCode.DATA_ERROR and "3 (DATA_ERROR)" in str(err.value)
+    assert not any(Path(t).exists() for t in tmpdirs)
