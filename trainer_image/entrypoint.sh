@@ -33,10 +33,10 @@
 #   anything else: ft_launcher gave up after max restarts  -> 200 RESTART_BUDGET_EXHAUSTED (retryable)
 #
 # Permanent exits are never retried in the job: ft_launcher 0.4.1 restarts the worker group on any failure
-# (it has no per-exit-code policy), so a worker that exits 1-127 (or 204: its rank monitor is gone, and
-# ft_launcher never respawns one) sends this script SIGUSR1 after recording its code; this script stops the
-# launcher at once (SIGTERM, without the preemption marker: the other workers exit without a final
-# checkpoint) and exits with that code after one attempt.
+# (it has no per-exit-code policy), so a worker that exits 1-127, 201 (unhealthy node: do not restart here)
+# or 204 (its rank monitor is gone, and ft_launcher never respawns one) sends this script SIGUSR1 after
+# recording its code; this script stops the launcher at once (SIGTERM, without the preemption marker: the
+# other workers exit without a final checkpoint) and exits with that code after one attempt.
 #
 # Temporary files: the job gets its own TMPDIR (ft_launcher's torchelastic_* log dirs and rank-monitor
 # sockets, the workers' pymp-* dirs, the exit-code dir), removed when this script exits, so workers killed
@@ -144,7 +144,7 @@ forward() {  # $1: signal name
   [[ "$1" == TERM ]] && { preempted=1; : > "$exit_dir/preempting"; }
   [[ -n "${launcher_pid:-}" ]] && kill -s "$1" "$launcher_pid" 2>/dev/null
 }
-ends_job() { (( ($1 >= 1 && $1 <= 127) || $1 == LAUNCHER_LOST )); }  # trainer.exitcodes.ends_job
+ends_job() { (( ($1 >= 1 && $1 <= 127) || $1 == UNHEALTHY_NODE || $1 == LAUNCHER_LOST )); }  # exitcodes.ends_job
 # The first code a worker recorded that no in-job restart can help, as "<rank> <code>"; empty if none.
 job_ending_exit() {
   local f attempt code

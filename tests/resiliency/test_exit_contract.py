@@ -109,14 +109,21 @@ def assert_one_attempt(out: str, run_dir: Path, code: int) -> None:
     assert {r["attempt"] for r in ledger} <= {0} and not [r for r in ledger if r["event"] == "restart"]
 
 
-@pytest.mark.parametrize("case", ["data", "config"])
-def test_permanent_exit_ends_the_job_after_one_attempt(tmp_path, case):
+@pytest.mark.parametrize("case", ["data", "config", "unhealthy"])
+def test_job_ending_exit_ends_the_job_after_one_attempt(tmp_path, tiny_dataset, case):
+    """Permanent (data, config) and unhealthy node (retryable, but not on this node): no in-job restart."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "train-00000.bin").write_bytes(b"\0" * 256)  # no manifest: an incomplete dataset
+    port = tmp_path / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
     before = snapshot(tmp_path)
     if case == "data":
         args, code, line = [f"--data.path={data}"], ExitCode.DATA_ERROR, "exit 3 (DATA_ERROR): ShardError:"
+    elif case == "unhealthy":
+        args, code, line = ([f"--data.path={tiny_dataset}", f"--resiliency.sysfs_root={tmp_path / 'sys'}"],
+                            ExitCode.UNHEALTHY_NODE, "exit 201 (UNHEALTHY_NODE): NodeUnhealthy: InfiniBand mlx5_0")
     else:
         args, code, line = [f"--data.path={data}", "--train.stepz=5"], ExitCode.CONFIG_ERROR, "config error: "
     started = time.monotonic()
@@ -124,7 +131,7 @@ def test_permanent_exit_ends_the_job_after_one_attempt(tmp_path, case):
     rc, out = job.wait()
     assert rc == code, out[-4000:]
     assert_one_attempt(out, tmp_path / "run", code)
-    if case == "data":
+    if case != "config":
         assert_one_error_line_per_rank(out, line)
         logs = [f.read_text() for f in (tmp_path / "run" / "logs").glob("trainer-rank*.log")]
         reported = [text for text in logs if line in text]

@@ -60,9 +60,10 @@ def test_lost_rank_monitor_is_retryable_and_ends_the_job():
     except RankMonitorClientError as exc:
         code = classify(exc)
     assert code == ExitCode.LAUNCHER_LOST and code >= 128
-    assert ends_job(ExitCode.LAUNCHER_LOST) and ends_job(ExitCode.CONFIG_ERROR) and ends_job(ExitCode.CODE_ERROR)
+    assert all(ends_job(c) for c in (ExitCode.CODE_ERROR, ExitCode.CONFIG_ERROR, ExitCode.DATA_ERROR,
+                                     ExitCode.CHECKPOINT_ERROR, ExitCode.UNHEALTHY_NODE, ExitCode.LAUNCHER_LOST))
     assert not any(ends_job(c) for c in (ExitCode.OK, ExitCode.KILLED, ExitCode.TERMINATED, ExitCode.RANKS_LOST,
-                                         ExitCode.PREEMPTED, ExitCode.UNHEALTHY_NODE))
+                                         ExitCode.PREEMPTED, ExitCode.RESTART_BUDGET_EXHAUSTED))
     assert code_name(204) == "LAUNCHER_LOST" and code_name(137) == "KILLED" and code_name(134) == "SIGNAL_6"
 
 

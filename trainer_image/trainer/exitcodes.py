@@ -1,17 +1,19 @@
 """The exit-code contract between the trainer and everything that restarts it.
 
 Kubeflow's PyTorchJob with ``restartPolicy: ExitCode`` restarts a pod whose container exits with a code
->= 128 and fails the job for codes 1-127. The pipeline's launcher (local backend) and its ``set_retry``
-follow the same rule. ``ft_launcher`` (0.4.1) restarts the worker group for any failure, so
+>= 128 and fails the job for codes 1-127; the local backend (``components/lib/local_launcher.py``) follows
+the same rule. ``ft_launcher`` (0.4.1) restarts the worker group for any failure, so
 ``entrypoint.sh`` stops it as soon as a worker exits with a code that ``ends_job`` (each such worker
 signals it, see ``record_exit``): a permanent code ends the whole job after one attempt, whatever launches it.
 
 - **Permanent (1-127)**: retrying cannot help - bad config, bad data, unusable checkpoint storage, a bug.
-  Nothing retries these: not the in-process layer, not ft_launcher, not the pod or the pipeline.
+  Nothing in the job retries these: not the in-process layer, not ft_launcher, not the pod. (The pipeline's
+  ``set_retry`` re-runs a failed train step whatever its code: KFP's retry policy cannot filter on it.)
 - **Retryable (>= 128)**: the node or the job's budget failed, not the code - a restart elsewhere or later
   resumes from the latest checkpoint. Codes 128 + N are what the kernel reports for a process killed by
   signal N (137 = SIGKILL/OOM kill, 143 = SIGTERM); ours are chosen above that range so a log line tells
-  which one happened. ``LAUNCHER_LOST`` is retryable but skips the in-job layer (it cannot help).
+  which one happened. ``UNHEALTHY_NODE`` and ``LAUNCHER_LOST`` are retryable but skip the in-job layer,
+  which would restart on the same node with the same launcher.
 
 What an operator sees: an expected error (config, data, checkpoint, unhealthy node, preemption, lost
 launcher) is one line on stderr without a traceback; a real code error (exit 1) keeps its traceback. Every
@@ -68,8 +70,9 @@ def is_retryable(code: int) -> bool:
 
 
 def ends_job(code: int) -> bool:
-    """True when no in-job restart can help: a permanent code, or a lost launcher (the pod must restart)."""
-    return 1 <= code <= 127 or code == ExitCode.LAUNCHER_LOST
+    """True when no in-job restart can help: a permanent code; an unhealthy node or a lost launcher (retryable,
+    but only by a new pod)."""
+    return 1 <= code <= 127 or code in (ExitCode.UNHEALTHY_NODE, ExitCode.LAUNCHER_LOST)
 
 
 #: Environment variable naming a directory where each worker records its exit code (file ``rank-<RANK>``
