@@ -71,7 +71,7 @@ ECHO_ENV = "RESILIENT_TRAIN_LOG_ECHO"
 """Environment override of ``LocalJobSpec.echo`` for local runs (the demo sets ``progress``)."""
 #: Trainer log lines that still reach stdout with ``echo="progress"``: what a person follows a recovery by.
 RECOVERY_EVENTS = re.compile(
-    r"injecting fault|restored step|fn_ex:|Worker group|entrypoint:|preempt|exit \d+ \(|CRITICAL|Traceback"
+    r"injecting fault|restored step|fn_ex:|Worker group|entrypoint:|preempt|exit \d+ \(|config error:|CRITICAL|Traceback"
 )
 
 
