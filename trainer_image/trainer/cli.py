@@ -42,7 +42,8 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.format(rank=rank))
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(_OneLineFormatter(LOG_FORMAT.format(rank=rank)))
+        if getattr(handler, "stream", None) is sys.stderr:  # the console (not a host's own handlers)
+            handler.setFormatter(_OneLineFormatter(LOG_FORMAT.format(rank=rank)))
     try:
         args, cfg = parse_args(argv)
     except ConfigError as exc:
@@ -97,7 +98,7 @@ def report(exc: BaseException) -> tuple[ExitCode, str]:
         reason = f"{type(exc).__name__}: {exc}"
     line = f"config error: {_one_line(reason)}" if code == ExitCode.CONFIG_ERROR else \
         f"exit {int(code)} ({code.name}): {_one_line(reason)}"
-    level = logging.WARNING if code in (ExitCode.PREEMPTED, ExitCode.OK) else logging.ERROR
+    level = logging.WARNING if code == ExitCode.PREEMPTED else logging.ERROR
     log.log(level, "%s", line, exc_info=exc, extra={CONSOLE_TRACEBACK: code == ExitCode.CODE_ERROR})
     return code, _one_line(reason)
 
