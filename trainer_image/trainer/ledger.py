@@ -173,10 +173,10 @@ class Ledger:
         if layer == "inprocess":
             return self._caught or {"kind": "peer_fault", "time": None, "step": None,
                                     "detail": "another rank failed or hung; the in-process Wrapper restarted all"}
-        records = read(self.path)
-        since = max((r["time"] for r in records
-                     if r["event"] == "start" or (r["event"] == "restart" and r["rank"] == self.rank)), default=0.0)
-        exits = sorted((r for r in records if r["event"] == "exit" and r["time"] >= since),
+        records = read(self.path)  # in append order: the exits after this rank's last (re)start ended that attempt
+        since = max((i for i, r in enumerate(records)
+                     if r["event"] == "start" or (r["event"] == "restart" and r["rank"] == self.rank)), default=-1)
+        exits = sorted((r for r in records[since + 1:] if r["event"] == "exit"),
                        key=lambda r: (r["name"] == "TERMINATED", r["time"]))  # the stopped peers last
         killed = [rank for rank in range(self.world_size) if rank not in {r["rank"] for r in exits}]
         kind = "killed" if killed else exits[0]["name"].lower()
