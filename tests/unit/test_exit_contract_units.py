@@ -126,6 +126,22 @@ def test_data_error_at_start_is_one_line_and_the_traceback_is_in_the_log(tmp_pat
     assert [(r["event"], r["code"], r["name"]) for r in read(run_dir / "recovery.jsonl")] == [("exit", 3, "DATA_ERROR")]
 
 
+def test_checkpoint_error_in_training_is_one_line(tmp_path, tiny_dataset):
+    source = tmp_path / "warm"
+    (source / "step-00000004.tmp").mkdir(parents=True)  # an unfinished save: nothing to warm-start from
+    (source / "step-00000004.tmp" / "rank-00000.pt").write_bytes(b"partial")
+    before = snapshot(tmp_path)
+    run_dir = tmp_path / "run"
+    result = run_trainer(["--config", "tiny", f"--data.path={tiny_dataset}", f"--train.run_dir={run_dir}",
+                          f"--checkpoint.init_from={source}", "--train.steps=2"])
+    assert result.returncode == ExitCode.CHECKPOINT_ERROR, result.stderr[-3000:]
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and "exit 4 (CHECKPOINT_ERROR): CheckpointError:" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "Traceback (most recent call last)" in (run_dir / "logs" / "trainer-rank0.log").read_text()
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("run")} == before
+
+
 def test_config_error_found_after_parsing_is_one_line(tmp_path, tiny_dataset):
     result = run_trainer(["--config", "tiny", f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path / 'run'}",
                           "--model.vocab_size=16"])
