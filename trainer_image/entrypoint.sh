@@ -24,15 +24,15 @@
 # `exec` it: it runs it as a child (forwarding SIGTERM/SIGINT, so preemption reaches the launcher, which
 # forwards it to the workers) and maps the outcome from the exit codes the workers recorded in
 # $TRAINER_EXIT_CODE_DIR (last in-job attempt only):
-#   a worker exited with a permanent code (1-127)          -> that code            (permanent)
+#   a worker exited with a job-ending code (see below)     -> that code: 1-127 (permanent), 201
+#                                                             UNHEALTHY_NODE or 204 LAUNCHER_LOST (a new pod)
 #   a worker committed its final checkpoint after SIGTERM  -> 202 PREEMPTED        (retryable)
 #   SIGTERM received, no final checkpoint reported         -> 143 TERMINATED       (retryable)
 #   ft_launcher succeeded                                  -> 0
-#   a worker lost its rank monitor / the launcher's IPC    -> 204 LAUNCHER_LOST    (retryable: a new pod)
-#   a worker reported an unhealthy node                    -> 201 UNHEALTHY_NODE   (retryable)
+#   a 1-127 or 201 code recorded without the signal        -> that code
 #   anything else: ft_launcher gave up after max restarts  -> 200 RESTART_BUDGET_EXHAUSTED (retryable)
 #
-# Permanent exits are never retried in the job: ft_launcher 0.4.1 restarts the worker group on any failure
+# Job-ending exits are never retried in the job: ft_launcher 0.4.1 restarts the worker group on any failure
 # (it has no per-exit-code policy), so a worker that exits 1-127, 201 (unhealthy node: do not restart here)
 # or 204 (its rank monitor is gone, and ft_launcher never respawns one) sends this script SIGUSR1 after
 # recording its code; this script stops the launcher at once (SIGTERM, without the preemption marker: the
