@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +44,10 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 class Job:
     """``entrypoint.sh`` in its own session with its own short TMPDIR (removed by the entrypoint at exit)."""
 
+    started: list["Job"] = []
+
     def __init__(self, run_dir: Path, *args: str) -> None:
+        Job.started.append(self)
         self.run_dir = run_dir
         self.tmp = Path(tempfile.mkdtemp(prefix="xc-", dir="/tmp"))
         env = {**os.environ, **FT_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()),
@@ -79,6 +83,18 @@ class Job:
         """(ft_launcher's pid, its forked rank monitors: children that carry the launcher's command line)."""
         launcher = next(p for p in _children(self.proc.pid) if b"ft_launcher" in _cmdline(p))
         return launcher, [p for p in _children(launcher) if _cmdline(p) == _cmdline(launcher)]
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left():
+    """A test that fails half-way must not leave its job running or its TMPDIR behind."""
+    yield
+    while Job.started:
+        job = Job.started.pop()
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.proc.communicate()
+        shutil.rmtree(job.tmp, ignore_errors=True)
 
 
 def _children(pid: int) -> list[int]:
