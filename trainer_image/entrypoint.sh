@@ -24,15 +24,27 @@
 # `exec` it: it runs it as a child (forwarding SIGTERM/SIGINT, so preemption reaches the launcher, which
 # forwards it to the workers) and maps the outcome from the exit codes the workers recorded in
 # $TRAINER_EXIT_CODE_DIR (last in-job attempt only):
+#   a worker exited with a job-ending code (see below)     -> that code: 1-127 (permanent), 201
+#                                                             UNHEALTHY_NODE or 204 LAUNCHER_LOST (a new pod)
 #   a worker committed its final checkpoint after SIGTERM  -> 202 PREEMPTED        (retryable)
 #   SIGTERM received, no final checkpoint reported         -> 143 TERMINATED       (retryable)
 #   ft_launcher succeeded                                  -> 0
-#   a worker exited with a permanent code (1-127)          -> that code            (permanent)
-#   a worker reported an unhealthy node                    -> 201 UNHEALTHY_NODE   (retryable)
+#   a 1-127 or 201 code recorded without the signal        -> that code
 #   anything else: ft_launcher gave up after max restarts  -> 200 RESTART_BUDGET_EXHAUSTED (retryable)
+#
+# Job-ending exits are never retried in the job: ft_launcher 0.4.1 restarts the worker group on any failure
+# (it has no per-exit-code policy), so a worker that exits 1-127, 201 (unhealthy node: do not restart here)
+# or 204 (its rank monitor is gone, and ft_launcher never respawns one) sends this script SIGUSR1 after
+# recording its code; this script stops the launcher at once (SIGTERM, without the preemption marker: the
+# other workers exit without a final checkpoint) and exits with that code after one attempt.
+#
+# Temporary files: the job gets its own TMPDIR (ft_launcher's torchelastic_* log dirs and rank-monitor
+# sockets, the workers' pymp-* dirs, the exit-code dir), removed when this script exits, so workers killed
+# by a signal leave nothing in /tmp. Under a TMPDIR that is too long for a unix socket path, /tmp is used.
 set -uo pipefail
 
-readonly OK=0 CONFIG_ERROR=2 TERMINATED=143 RESTART_BUDGET_EXHAUSTED=200 UNHEALTHY_NODE=201 PREEMPTED=202
+readonly OK=0 CONFIG_ERROR=2 TERMINATED=143 RESTART_BUDGET_EXHAUSTED=200 UNHEALTHY_NODE=201 PREEMPTED=202 \
+  LAUNCHER_LOST=204
 
 log() { printf 'entrypoint: %s\n' "$*" >&2; }
 
@@ -92,7 +104,10 @@ for arg in "$@"; do
   fi
 done
 
-exit_dir="$(mktemp -d "${TMPDIR:-/tmp}/trainer-exit.XXXXXX")" || exit "$RESTART_BUDGET_EXHAUSTED"
+parent_tmp="${TMPDIR:-/tmp}"
+# ft_launcher's unix sockets go in the job's dir (~40 bytes of name in a path of at most 107)
+(( ${#parent_tmp} <= 48 )) || parent_tmp=/tmp
+job_tmp="$(mktemp -d "$parent_tmp/trainer-job.XXXXXX")" || exit "$RESTART_BUDGET_EXHAUSTED"
 # The node-local checkpoint tier: this job's snapshot slots (trainer/checkpoint/slots.py) live in a directory of
 # the memory-backed checkpoint.node_local_dir that outlives any worker, so a respawned worker resumes from host
 # memory; it is removed when the job ends, however it ends.
@@ -102,8 +117,10 @@ snapshot_dir=""
 if mkdir -p -- "$node_local_dir" 2>/dev/null; then
   snapshot_dir="$(mktemp -d "$node_local_dir/resilient-train-job.XXXXXX")" && export TRAINER_SNAPSHOT_DIR="$snapshot_dir"
 fi
-trap 'rm -rf -- "$exit_dir" ${snapshot_dir:+"$snapshot_dir"}' EXIT
-export TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
+trap 'rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
+exit_dir="$job_tmp/exit-codes"
+mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
+export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
 export PYTHONUNBUFFERED=1
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
 # keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
@@ -136,8 +153,27 @@ forward() {  # $1: signal name
   [[ "$1" == TERM ]] && { preempted=1; : > "$exit_dir/preempting"; }
   [[ -n "${launcher_pid:-}" ]] && kill -s "$1" "$launcher_pid" 2>/dev/null
 }
+ends_job() { (( ($1 >= 1 && $1 <= 127) || $1 == UNHEALTHY_NODE || $1 == LAUNCHER_LOST )); }  # exitcodes.ends_job
+# The first code a worker recorded that no in-job restart can help, as "<rank> <code>"; empty if none.
+job_ending_exit() {
+  local f attempt code
+  for f in "$exit_dir"/rank-*; do
+    [[ -f "$f" ]] || continue
+    read -r attempt code < "$f" || continue
+    if ends_job "$code"; then printf '%s %s' "${f##*/rank-}" "$code"; return; fi
+  done
+}
+stopped=""  # "<rank> <code>" of the exit that made this script stop the launcher
+stop_launcher() {  # SIGUSR1 from a worker that recorded a job-ending code (trainer.exitcodes.record_exit)
+  [[ -z "$stopped" && -n "${launcher_pid:-}" ]] || return 0
+  stopped="$(job_ending_exit)"
+  [[ -n "$stopped" ]] || return 0
+  log "rank ${stopped% *} exited ${stopped#* }, which no in-job restart can help: stopping ft_launcher"
+  kill -s TERM "$launcher_pid" 2>/dev/null
+}
 trap 'forward TERM' TERM
 trap 'forward INT' INT
+trap stop_launcher USR1
 
 log "ft_launcher: ${nnodes} node(s) x ${nproc} worker(s), node rank ${node_rank}, rendezvous ${master_addr}:${master_port}, max restarts ${max_restarts}"
 "${launcher[@]}" &
@@ -169,7 +205,9 @@ permanent=""
 for code in "${codes[@]}"; do
   if (( code >= 1 && code <= 127 )) && [[ -z "$permanent" ]]; then permanent=$code; fi
 done
-if [[ " ${codes[*]} " == *" $PREEMPTED "* ]]; then
+if [[ -n "$stopped" ]]; then
+  final=${stopped#* }; reason="rank ${stopped% *} exited ${final}; no in-job restart (after one attempt)"
+elif [[ " ${codes[*]} " == *" $PREEMPTED "* ]]; then
   final=$PREEMPTED; reason="preempted: the final checkpoint was committed"
 elif (( preempted )); then
   final=$TERMINATED; reason="SIGTERM received; no final checkpoint was reported"

@@ -14,6 +14,10 @@ inherits both. Any way out of `run` other than a normal exit (deadline, SIGTERM 
 cancelled, an error) kills that process tree, and `kill_leftovers` (the exit handler) finds what is left
 from the state file and the marker — idempotently. The command is always an argument list, never a shell
 string; ``PATH`` starts with this interpreter's bin directory so the entrypoint finds ``ft_launcher``.
+
+Each launch gets its own ``TMPDIR`` (under the system's), removed when the launch ends
+however it ends: what killed workers leave there (``pymp-*``, ``torchelastic_*``, rank-monitor sockets) goes
+with it, even when the entrypoint itself was killed before its own clean-up.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import os
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -46,6 +52,7 @@ RETRYABLE_MIN = 128
 EXIT_NAMES = {
     0: "OK", 1: "CODE_ERROR", 2: "CONFIG_ERROR", 3: "DATA_ERROR", 4: "CHECKPOINT_ERROR", 137: "KILLED",
     143: "TERMINATED", 200: "RESTART_BUDGET_EXHAUSTED", 201: "UNHEALTHY_NODE", 202: "PREEMPTED", 203: "RANKS_LOST",
+    204: "LAUNCHER_LOST",
 }
 MARKER_ENV = "RESILIENT_TRAIN_LOCAL_JOB"
 STATE_FILE = "local-job.json"
@@ -64,7 +71,7 @@ ECHO_ENV = "RESILIENT_TRAIN_LOG_ECHO"
 """Environment override of ``LocalJobSpec.echo`` for local runs (the demo sets ``progress``)."""
 #: Trainer log lines that still reach stdout with ``echo="progress"``: what a person follows a recovery by.
 RECOVERY_EVENTS = re.compile(
-    r"injecting fault|restored step|fn_ex:|Worker group|entrypoint:|preempt|exit \d+ \(|CRITICAL|Traceback"
+    r"injecting fault|restored step|fn_ex:|Worker group|entrypoint:|preempt|exit \d+ \(|config error:|CRITICAL|Traceback"
 )
 
 
@@ -245,6 +252,14 @@ class LocalLauncher:
     def _launch_once(self, spec: LocalJobSpec, entrypoint: Path, number: int, deadline: float | None,
                      progress: ProgressReporter) -> tuple[int, list[str], str | None, float]:
         marker = uuid.uuid4().hex
+        tmp = Path(tempfile.mkdtemp(prefix=f"train-launch-{number}."))
+        try:
+            return self._launch_in(spec, entrypoint, number, deadline, progress, marker, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _launch_in(self, spec: LocalJobSpec, entrypoint: Path, number: int, deadline: float | None,
+                   progress: ProgressReporter, marker: str, tmp: Path) -> tuple[int, list[str], str | None, float]:
         env = {
             **os.environ,
             # a free rendezvous port per launch: other local runs (tests, a second demo) may hold 29500
@@ -255,6 +270,7 @@ class LocalLauncher:
             "FT_MAX_RESTARTS": str(spec.ft_max_restarts),
             "PYTHONUNBUFFERED": "1",
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "TMPDIR": str(tmp),
             MARKER_ENV: marker,
         }
         log_path = Path(spec.state_dir) / f"launch-{number}.log" if spec.state_dir else None

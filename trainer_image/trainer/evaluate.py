@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint import CheckpointError, find_valid_checkpoint, load_model_weights
+from trainer.checkpoint import CheckpointError, committed_steps, find_valid_checkpoint, load_model_weights
 from trainer.config import JobConfig
 from trainer.data import ShardedTokens, ShardError, eval_batches
 from trainer.exitcodes import ExitCode
@@ -41,6 +41,8 @@ def evaluate(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if not committed_steps(Path(checkpoint_dir)):
+        raise CheckpointError(_nothing_committed(Path(checkpoint_dir)))
     path, manifest = find_valid_checkpoint(checkpoint_dir)
     step = int(manifest["step"])
     cfg = JobConfig.from_dict(manifest["config"], source=f"{path}/manifest.json (stored config)")
@@ -78,6 +80,20 @@ def evaluate(
         "model": cfg.model.name,
         "eval_time_s": time.perf_counter() - started,
     }
+
+
+def _nothing_committed(directory: Path) -> str:
+    """Why ``directory`` holds no checkpoint to evaluate, in one self-contained line."""
+    if not directory.exists():
+        return f"{directory} does not exist; pass the run's checkpoint directory as --checkpoint-dir"
+    if not directory.is_dir():
+        return f"{directory} is not a directory; pass the run's checkpoint directory as --checkpoint-dir"
+    names = sorted(p.name for p in directory.iterdir())
+    if not names:
+        return f"{directory} is empty: no checkpoint was saved yet; train until one is committed"
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"no committed checkpoint in {directory}: it holds only {shown} (a *.tmp directory is a save that "
+            "never finished, *.corrupt-* ones were set aside as invalid); train until a checkpoint is committed")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,21 +1,32 @@
 """The exit-code contract between the trainer and everything that restarts it.
 
 Kubeflow's PyTorchJob with ``restartPolicy: ExitCode`` restarts a pod whose container exits with a code
->= 128 and fails the job for codes 1-127. The pipeline's launcher and its ``set_retry`` follow the same rule,
-and so does ``ft_launcher`` (which restarts workers in the job for any failure until ``--max-restarts``).
+>= 128 and fails the job for codes 1-127; the local backend (``components/lib/local_launcher.py``) follows
+the same rule. ``ft_launcher`` (0.4.1) restarts the worker group for any failure, so
+``entrypoint.sh`` stops it as soon as a worker exits with a code that ``ends_job`` (each such worker
+signals it, see ``record_exit``): a permanent code ends the whole job after one attempt, whatever launches it.
 
-- **Permanent (1-127)**: retrying cannot help - bad config, bad data, a bug. Nothing retries these.
+- **Permanent (1-127)**: retrying cannot help - bad config, bad data, unusable checkpoint storage, a bug.
+  Nothing in the job retries these: not the in-process layer, not ft_launcher, not the pod. (The pipeline's
+  ``set_retry`` re-runs a failed train step whatever its code: KFP's retry policy cannot filter on it.)
 - **Retryable (>= 128)**: the node or the job's budget failed, not the code - a restart elsewhere or later
   resumes from the latest checkpoint. Codes 128 + N are what the kernel reports for a process killed by
   signal N (137 = SIGKILL/OOM kill, 143 = SIGTERM); ours are chosen above that range so a log line tells
-  which one happened.
+  which one happened. ``UNHEALTHY_NODE`` and ``LAUNCHER_LOST`` are retryable but skip the in-job layer,
+  which would restart on the same node with the same launcher.
+
+What an operator sees: an expected error (config, data, checkpoint, unhealthy node, preemption, lost
+launcher) is one line on stderr without a traceback; a real code error (exit 1) keeps its traceback. Every
+line, tracebacks included, is also in the run's log ``<run_dir>/logs/trainer-rank<R>.log``.
 
 Use the names, never the numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable, Iterator
 
 
 class ExitCode(enum.IntEnum):
@@ -47,6 +58,10 @@ class ExitCode(enum.IntEnum):
     """A peer rank was lost: a collective failed because a peer died or hung (gloo/NCCL error), or the
     in-process layer cannot continue without a terminated rank; the in-job layer (ft_launcher) or the
     cluster restarts the whole group."""
+    LAUNCHER_LOST = 204
+    """This worker lost ft_launcher: its rank monitor or the launcher's IPC socket is gone (BrokenPipe,
+    ConnectionRefused). ft_launcher 0.4.1 never respawns a rank monitor, so an in-job restart would fail the
+    same way: ``entrypoint.sh`` stops the launcher and the pod exits with this code for the cluster layer."""
 
 
 def is_retryable(code: int) -> bool:
@@ -54,10 +69,18 @@ def is_retryable(code: int) -> bool:
     return code >= 128
 
 
+def ends_job(code: int) -> bool:
+    """True when no in-job restart can help: a permanent code; an unhealthy node or a lost launcher (retryable,
+    but only by a new pod)."""
+    return 1 <= code <= 127 or code in (ExitCode.UNHEALTHY_NODE, ExitCode.LAUNCHER_LOST)
+
+
 #: Environment variable naming a directory where each worker records its exit code (file ``rank-<RANK>``
 #: holding ``"<TORCHELASTIC_RESTART_COUNT> <code>"``). Set by ``entrypoint.sh``: ``ft_launcher`` itself exits
 #: 1 for every failure, so the entrypoint maps the workers' last-attempt codes onto this contract.
 EXIT_CODE_DIR_ENV = "TRAINER_EXIT_CODE_DIR"
+#: The entrypoint's pid (exported by ``entrypoint.sh``): a worker whose code ``ends_job`` sends it SIGUSR1.
+ENTRYPOINT_PID_ENV = "TRAINER_ENTRYPOINT_PID"
 PREEMPTING_MARKER = "preempting"
 """Created in ``$TRAINER_EXIT_CODE_DIR`` by ``entrypoint.sh`` when the pod itself got SIGTERM (preemption,
 eviction) before it forwards the signal. A worker that gets SIGTERM without it is being stopped by ft_launcher
@@ -70,8 +93,9 @@ def classify(exc: BaseException) -> ExitCode:
     Permanent: ``ConfigError`` -> CONFIG_ERROR, data ``ShardError`` -> DATA_ERROR, ``CheckpointError`` ->
     CHECKPOINT_ERROR, anything else -> CODE_ERROR. Retryable: ``TrainerExit`` carries its own code; an
     unhealthy node (``health.NodeUnhealthy``) -> UNHEALTHY_NODE; the in-process layer giving up
-    (NVRx ``FaultCounterExceeded`` or another ``RestartError``) -> RESTART_BUDGET_EXHAUSTED; a collective
-    or store failure caused by a lost peer -> RANKS_LOST.
+    (NVRx ``FaultCounterExceeded`` or another ``RestartError``) -> RESTART_BUDGET_EXHAUSTED; the rank
+    monitor or launcher IPC gone (NVRx ``RankMonitorClientError``) -> LAUNCHER_LOST; a collective or store
+    failure caused by a lost peer -> RANKS_LOST.
     """
     chain = _cause_chain(exc)
     for link in chain:
@@ -93,6 +117,7 @@ _BY_CLASS_NAME: tuple[tuple[str, ExitCode], ...] = (
     ("ShardError", ExitCode.DATA_ERROR),
     ("CheckpointError", ExitCode.CHECKPOINT_ERROR),
     ("NodeUnhealthy", ExitCode.UNHEALTHY_NODE),
+    ("RankMonitorClientError", ExitCode.LAUNCHER_LOST),  # NVRx: the rank monitor's socket broke
     ("FaultCounterExceeded", ExitCode.RESTART_BUDGET_EXHAUSTED),
     ("RestartError", ExitCode.RESTART_BUDGET_EXHAUSTED),  # any other NVRx Wrapper give-up (barrier timeout ...)
     ("DistError", ExitCode.RANKS_LOST),  # torch.distributed store/network errors: a peer or the store is gone
@@ -115,10 +140,38 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
     return chain
 
 
-def record_exit(code: int) -> None:
-    """Write this worker's exit code where ``entrypoint.sh`` reads it (no-op outside the entrypoint)."""
-    import os
+def code_name(code: int) -> str:
+    """``"DATA_ERROR"``; a code without a name: ``"SIGNAL_<N>"`` above 128, else ``"EXIT_<code>"``."""
+    if code in ExitCode._value2member_map_:
+        return ExitCode(code).name
+    return f"SIGNAL_{code - 128}" if code > 128 else f"EXIT_{code}"
 
+
+_exit_listeners: list[Callable[[int, str], None]] = []
+
+
+@contextlib.contextmanager
+def on_exit(listener: Callable[[int, str], None]) -> Iterator[None]:
+    """While open, ``record_exit`` calls ``listener(code, reason)`` (the CLI: the run's recovery ledger)."""
+    _exit_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _exit_listeners.remove(listener)
+
+
+def record_exit(code: int, reason: str = "") -> None:
+    """Tell the exit listeners, and write this worker's exit code where ``entrypoint.sh`` reads it (outside
+    the entrypoint: nothing more); when the code ``ends_job``, signal the entrypoint (SIGUSR1) to stop
+    ft_launcher before it restarts the group. Called once as the process ends, from every way out."""
+    import os
+    import signal
+
+    for listener in _exit_listeners:
+        try:
+            listener(int(code), reason)
+        except Exception:  # noqa: BLE001 - the exit itself must still be recorded and happen
+            pass
     directory = os.environ.get(EXIT_CODE_DIR_ENV)
     if not directory:
         return
@@ -129,7 +182,18 @@ def record_exit(code: int) -> None:
             f.write(f"{attempt} {int(code)}\n")
         os.replace(path + ".tmp", path)
     except OSError:  # the exit code itself still reaches the launcher
-        pass
+        return
+    entrypoint = os.environ.get(ENTRYPOINT_PID_ENV, "")
+    if ends_job(int(code)) and entrypoint.isdigit():
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            # The launcher's stop (SIGTERM) must not turn this exit into TERMINATED while the process ends.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:  # FT: ft_launcher would restart the group on any failure; the entrypoint stops it instead
+            os.kill(int(entrypoint), signal.SIGUSR1)
+        except OSError:  # the entrypoint is gone: nothing left to stop
+            pass
 
 
 class TrainerExit(SystemExit):

@@ -10,16 +10,26 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     Rank 0, first start of a run from scratch (no checkpoint). Wall time is measured from here.
 ``{"event": "fault", "kind", "step"}``
     The faulting rank, just before an injected fault fires (``step`` is the step it interrupts).
+``{"event": "exit", "code", "name", "reason"}``
+    Every rank whose process ends with a non-zero code (``trainer.cli``, and the SIGTERM paths of
+    ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause.
 ``{"event": "restart", "layer", "resumed_step", "fault"}``
     Every rank, when training starts again after a fault (``pid`` shows whether the process survived): ``layer`` is the layer that recovered it:
     ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes started by
     ft_launcher, attempt > 0) or ``cluster`` (a new launcher: pod restart or pipeline retry, resuming from
-    a checkpoint). ``fault`` is the last unrecovered fault record, or null for a fault that was not
-    injected (its time is then unknown).
+    a checkpoint). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
+    handled SIGTERM (``preemption``), or, for a fault that was not injected, what this attempt can know of
+    it: ``{"kind", "time", "step": null, "detail"}`` where ``kind`` is ``exception`` (in-process: the
+    exception the Wrapper caught on this rank) or ``peer_fault`` (in-process: another rank failed), else
+    from the ``exit`` records since the last (re)start: ``killed`` when a rank recorded no exit (SIGKILL, OOM
+    kill, ft_launcher's heartbeat timeout, a lost node), otherwise the lower-case name of the first exit
+    code other than the TERMINATED of ranks stopped for the restart (e.g. ``ranks_lost``). ``detail`` lists
+    every rank's exit; ``time`` is the first exit's (null when none was recorded).
 ``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone"}``
     Rank 0, after the first productive (completed) step following a restart. ``recovery_s`` is the time
-    from the fault (or, for an uninjected fault, from the restart) to that step; ``steps_redone`` is how
-    many steps completed before the fault must be trained again (fault step - 1 - resumed step).
+    from the fault (or, when its time is unknown, from the restart) to that step; ``steps_redone`` is how
+    many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
+    the fault's step is unknown).
 ``{"event": "preempted", "step"}``
     Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
     ``preemption`` unless an injected ``sigterm`` fault is pending).
@@ -59,13 +69,15 @@ def read(path: str | Path) -> list[dict[str, Any]]:
 class Ledger:
     """Appends records for one process; created once per process (survives in-process restarts)."""
 
-    def __init__(self, run_dir: str | Path, rank: int) -> None:
+    def __init__(self, run_dir: str | Path, rank: int, world_size: int = 1) -> None:
         self.path = Path(run_dir) / LEDGER_FILE
         self.run_dir = Path(run_dir)
         self.rank = rank
+        self.world_size = world_size
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.iteration = 0
         self._pending: dict[str, Any] | None = None  # restart awaiting its first productive step
+        self._caught: dict[str, Any] | None = None  # the exception behind the next in-process restart
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {
@@ -84,6 +96,17 @@ class Ledger:
     def fault(self, kind: str, step: int) -> None:
         self.write("fault", kind=kind, step=step)
 
+    def exit(self, code: int, name: str, reason: str = "") -> None:
+        """This process ends with ``code`` (non-zero): the cause the next attempt's restart names."""
+        if code:
+            self.write("exit", code=int(code), name=name, reason=reason)
+
+    def note_exception(self, exc: BaseException | None) -> None:
+        """The exception the in-process Wrapper caught on this rank (its health check sees it)."""
+        if exc is not None:
+            self._caught = {"kind": "exception", "time": round(time.time(), 3), "step": None,
+                            "detail": f"{type(exc).__name__}: {exc}"}
+
     def on_train_start(self, iteration: int, resumed_step: int, tier: str | None = None) -> None:
         """Called by every rank when ``train()`` (re)starts, after the checkpoint is loaded from ``tier``
         (memory, node-local, disk; None when nothing was loaded)."""
@@ -98,7 +121,8 @@ class Ledger:
             if self.rank == 0:
                 self.write("start")
             return
-        fault = self._last_unrecovered_fault()
+        fault = self._last_unrecovered_fault() or self._uninjected_cause(layer)
+        self._caught = None
         record = self.write("restart", layer=layer, resumed_step=resumed_step, tier=tier, fault=fault)
         if self.rank == 0:
             self._pending = record
@@ -108,11 +132,11 @@ class Ledger:
             return
         restart, self._pending = self._pending, None
         fault = restart["fault"]
-        since = fault["time"] if fault else restart["time"]
-        redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault else None
+        since = fault.get("time") or restart["time"]
+        redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault.get("step") is not None else None
         self.write(
             "recovered", layer=restart["layer"], step=step,
-            fault_kind=fault["kind"] if fault else None, fault_step=fault["step"] if fault else None,
+            fault_kind=fault["kind"], fault_step=fault.get("step"),
             recovery_s=round(time.time() - since, 3), steps_redone=redone,
         )
 
@@ -143,6 +167,25 @@ class Ledger:
                   and r["fault"]["time"] == last["time"]):
                 last = None
         return last
+
+
+    def _uninjected_cause(self, layer: str) -> dict[str, Any]:
+        """The cause of a restart no injected fault explains, as far as this attempt can know it."""
+        if layer == "inprocess":
+            return self._caught or {"kind": "peer_fault", "time": None, "step": None,
+                                    "detail": "another rank failed or hung; the in-process Wrapper restarted all"}
+        records = read(self.path)  # in append order: the exits after this rank's last (re)start ended that attempt
+        since = max((i for i, r in enumerate(records)
+                     if r["event"] == "start" or (r["event"] == "restart" and r["rank"] == self.rank)), default=-1)
+        exits = sorted((r for r in records[since + 1:] if r["event"] == "exit"),
+                       key=lambda r: (r["name"] == "TERMINATED", r["time"]))  # the stopped peers last
+        killed = [rank for rank in range(self.world_size) if rank not in {r["rank"] for r in exits}]
+        kind = "killed" if killed else exits[0]["name"].lower()
+        parts = [f"rank {rank}: no exit recorded (SIGKILL, OOM kill, heartbeat timeout or node lost)" for rank in killed]
+        parts += [f"rank {r['rank']}: exit {r['code']} ({r['name']}) {r.get('reason', '')}".rstrip()
+                  for r in sorted(exits, key=lambda r: (r["rank"], r["time"]))]
+        times = [r["time"] for r in exits]
+        return {"kind": kind, "time": min(times) if times else None, "step": None, "detail": "; ".join(parts)}
 
 
 def productive_seconds(metrics_path: Path, steps: int) -> float:

@@ -91,9 +91,10 @@ class Heartbeat(NullHeartbeat):
 
     def start(self) -> None:
         """(Re)connect to this rank's monitor; per in-process iteration, as NVRx's nested example does."""
-        if self.client.is_initialized:
-            self.client.shutdown_workload_monitoring()
-        self.client.init_workload_monitoring()
+        with self._monitor_link("connect to"):
+            if self.client.is_initialized:
+                self.client.shutdown_workload_monitoring()
+            self.client.init_workload_monitoring()
         configured = self.client.cfg.rank_heartbeat_timeout
         if self.floor_s is not None and configured is not None and configured < self.floor_s:
             raise ConfigError(
@@ -104,14 +105,17 @@ class Heartbeat(NullHeartbeat):
             )
 
     def beat(self) -> None:
-        self.client.send_heartbeat()
+        with self._monitor_link("send a heartbeat to"):
+            self.client.send_heartbeat()
 
     def on_save(self) -> None:
         """Called on every rank at the same step (a save step): learns timeouts (a collective)."""
         self.saves += 1
         if self.saves < SAVES_BEFORE_TIMEOUT_CALC:
             return
-        if self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True):
+        with self._monitor_link("send heartbeat timeouts to"):
+            learned = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+        if learned:
             timeouts = self.client.hb_timeouts
             if self.floor_s is not None and timeouts.subsequent < self.floor_s:
                 from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
@@ -123,7 +127,21 @@ class Heartbeat(NullHeartbeat):
             log.info("in-job heartbeat timeouts: %s", self.client.hb_timeouts)
 
     def stop(self) -> None:
-        self.client.shutdown_workload_monitoring()
+        with contextlib.suppress(Exception):  # teardown: the monitor may already be gone (that was reported)
+            self.client.shutdown_workload_monitoring()
+
+    @contextlib.contextmanager
+    def _monitor_link(self, action: str) -> Iterator[None]:
+        """FT: a broken rank-monitor socket is a lost launcher, not a bug: ft_launcher 0.4.1 never respawns
+        the monitor, so only a new pod helps (TrainerExit passes through the in-process Wrapper)."""
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClientError
+
+        try:
+            yield
+        except (OSError, RankMonitorClientError) as exc:  # BrokenPipe, ConnectionRefused, a broken reply
+            raise TrainerExit(ExitCode.LAUNCHER_LOST,
+                              f"cannot {action} ft_launcher's rank monitor ({type(exc).__name__}: {exc}); "
+                              "the pod restarts (in-job restarts cannot respawn it)") from exc
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.client.state_dict()) if self.client.hb_timeouts is not None else {}
@@ -207,7 +225,7 @@ class Layers:
                device: torch.device) -> "Layers":
         r = cfg.resiliency
         run_dir = Path(cfg.train.run_dir)
-        ledger = Ledger(run_dir, rank)
+        ledger = Ledger(run_dir, rank, world_size)
         specs = parse_faults(r.faults)
         faults: Any = NullFaults()
         if any(s.rank == rank for s in specs):
@@ -236,6 +254,8 @@ class Layers:
             from trainer.health import node_checks
 
             health = node_checks(local_rank, r.sysfs_root)
+        # FT: the Wrapper's health check sees the exception behind an in-process restart: the ledger names it
+        health.append(lambda state: ledger.note_exception(getattr(state, "fn_exception", None)) or state)
         return cls(cfg, rank, world_size, local_rank, device, heartbeat, ledger, faults, health)
 
     @classmethod

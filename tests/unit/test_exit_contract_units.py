@@ -1,0 +1,268 @@
+"""The exit-code contract in one process: classification, the entrypoint's stop signal, one-line errors with
+the traceback in the run's log, the lost rank monitor, restart causes in the ledger, evaluation's message.
+
+The multi-process half (entrypoint + ft_launcher) is ``tests/resiliency/test_exit_contract.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from testlib import REPO
+from trainer.exitcodes import (
+    ENTRYPOINT_PID_ENV,
+    EXIT_CODE_DIR_ENV,
+    ExitCode,
+    TrainerExit,
+    classify,
+    code_name,
+    ends_job,
+    on_exit,
+    record_exit,
+)
+from trainer.ledger import Ledger, read
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``root``: (size, mtime_ns, sha256) - to assert nothing was deleted or changed."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_trainer(args: list[str], code: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m trainer <args>`` in one process (no launcher); ``code`` runs first instead (a patch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", EXIT_CODE_DIR_ENV, ENTRYPOINT_PID_ENV):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "trainer", *args] if code is None else \
+        [sys.executable, "-c", code + "\nfrom trainer.cli import main\nraise SystemExit(main(sys.argv[1:]))", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+# --- classification ------------------------------------------------------------------------------------
+def test_lost_rank_monitor_is_retryable_and_ends_the_job():
+    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClientError
+
+    try:
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError as exc:
+            raise RankMonitorClientError("RankMonitorClient could not send the heartbeat") from exc
+    except RankMonitorClientError as exc:
+        code = classify(exc)
+    assert code == ExitCode.LAUNCHER_LOST and code >= 128
+    assert all(ends_job(c) for c in (ExitCode.CODE_ERROR, ExitCode.CONFIG_ERROR, ExitCode.DATA_ERROR,
+                                     ExitCode.CHECKPOINT_ERROR, ExitCode.UNHEALTHY_NODE, ExitCode.LAUNCHER_LOST))
+    assert not any(ends_job(c) for c in (ExitCode.OK, ExitCode.KILLED, ExitCode.TERMINATED, ExitCode.RANKS_LOST,
+                                         ExitCode.PREEMPTED, ExitCode.RESTART_BUDGET_EXHAUSTED))
+    assert code_name(204) == "LAUNCHER_LOST" and code_name(137) == "KILLED" and code_name(134) == "SIGNAL_6"
+
+
+def test_heartbeat_to_a_missing_rank_monitor_exits_launcher_lost(tmp_path, monkeypatch):
+    """The real NVRx client against a socket nobody listens on (what every in-job restart meets after the
+    rank monitor was killed: ft_launcher never respawns it)."""
+    from trainer.resiliency import Heartbeat
+
+    monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", str(tmp_path / "gone.socket"))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    hb = Heartbeat(floor_s=None)
+    with pytest.raises(TrainerExit) as err:
+        hb.start()
+    assert err.value.exit_code == ExitCode.LAUNCHER_LOST
+    assert "rank monitor" in err.value.reason and "\n" not in err.value.reason
+    hb.stop()  # teardown after the loss: no second error
+
+
+def test_record_exit_signals_the_entrypoint_only_for_job_ending_codes(tmp_path, monkeypatch):
+    got: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        monkeypatch.setenv(EXIT_CODE_DIR_ENV, str(tmp_path))
+        monkeypatch.setenv(ENTRYPOINT_PID_ENV, str(os.getpid()))
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+        heard: list[tuple[int, str]] = []
+        with on_exit(lambda code, reason: heard.append((code, reason))):
+            record_exit(ExitCode.TERMINATED)
+            assert got == [] and (tmp_path / "rank-1").read_text() == "2 143\n"
+            record_exit(ExitCode.DATA_ERROR, "ShardError: missing")
+        assert got == [signal.SIGUSR1] and (tmp_path / "rank-1").read_text() == "2 3\n"
+        record_exit(ExitCode.LAUNCHER_LOST)  # listener removed with its context
+        assert got == [signal.SIGUSR1] * 2
+        assert heard == [(143, ""), (3, "ShardError: missing")]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+# --- one line on stderr, the traceback in the run's log --------------------------------------------------
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "exit " in line and "(" in line or "config error:" in line]
+
+
+def test_data_error_at_start_is_one_line_and_the_traceback_is_in_the_log(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train-00000.bin").write_bytes(b"\0" * 64)  # shards without a manifest: an incomplete dataset
+    before = snapshot(data)
+    run_dir = tmp_path / "run"
+    result = run_trainer(["--config", "tiny", f"--data.path={data}", f"--train.run_dir={run_dir}"])
+    assert result.returncode == ExitCode.DATA_ERROR, result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and "exit 3 (DATA_ERROR): ShardError:" in lines[0] and "re-run data prep" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    log_text = (run_dir / "logs" / "trainer-rank0.log").read_text()
+    assert "exit 3 (DATA_ERROR)" in log_text and "Traceback (most recent call last)" in log_text
+    assert snapshot(data) == before
+    assert [(r["event"], r["code"], r["name"]) for r in read(run_dir / "recovery.jsonl")] == [("exit", 3, "DATA_ERROR")]
+
+
+def test_checkpoint_error_in_training_is_one_line(tmp_path, tiny_dataset):
+    source = tmp_path / "warm"
+    (source / "step-00000004.tmp").mkdir(parents=True)  # an unfinished save: nothing to warm-start from
+    (source / "step-00000004.tmp" / "rank-00000.pt").write_bytes(b"partial")
+    before = snapshot(tmp_path)
+    run_dir = tmp_path / "run"
+    result = run_trainer(["--config", "tiny", f"--data.path={tiny_dataset}", f"--train.run_dir={run_dir}",
+                          f"--checkpoint.init_from={source}", "--train.steps=2"])
+    assert result.returncode == ExitCode.CHECKPOINT_ERROR, result.stderr[-3000:]
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and "exit 4 (CHECKPOINT_ERROR): CheckpointError:" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "Traceback (most recent call last)" in (run_dir / "logs" / "trainer-rank0.log").read_text()
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("run")} == before
+
+
+def test_config_error_found_after_parsing_is_one_line(tmp_path, tiny_dataset):
+    result = run_trainer(["--config", "tiny", f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path / 'run'}",
+                          "--model.vocab_size=16"])
+    assert result.returncode == ExitCode.CONFIG_ERROR
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and "config error: model.vocab_size (16) is smaller" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_run_dir_that_is_a_file_is_a_config_error_naming_the_key(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    result = run_trainer(["--config", "tiny", f"--data.path={tmp_path}", f"--train.run_dir={tmp_path / 'run'}"])
+    assert result.returncode == ExitCode.CONFIG_ERROR
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("config error: train.run_dir: cannot write the log")
+    assert "Traceback" not in result.stderr and (tmp_path / "run").read_text() == "not a directory"
+
+
+def test_code_error_keeps_its_traceback_on_stderr_and_in_the_log(tmp_path, tiny_dataset):
+    patch = textwrap.dedent("""
+        import sys
+        import trainer.train
+        def broken(cfg, env=None):
+            raise ValueError("a bug")
+        trainer.train.Resources.create = broken
+    """)
+    run_dir = tmp_path / "run"
+    result = run_trainer(["--config", "tiny", f"--data.path={tiny_dataset}", f"--train.run_dir={run_dir}"], code=patch)
+    assert result.returncode == ExitCode.CODE_ERROR
+    assert "exit 1 (CODE_ERROR): ValueError: a bug" in result.stderr
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "Traceback (most recent call last)" in (run_dir / "logs" / "trainer-rank0.log").read_text()
+
+
+# --- the ledger names every restart's cause -----------------------------------------------------------------
+def _restart(tmp_path, monkeypatch, attempt, rank=0, iteration=0, world_size=2):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+    ledger = Ledger(tmp_path, rank, world_size)
+    ledger.on_train_start(iteration, resumed_step=4)
+    return ledger, [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "restart"][-1]
+
+
+def test_injob_restart_after_an_uninjected_kill_names_the_killed_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    Ledger(tmp_path, 0, 2).on_train_start(0, 0)
+    Ledger(tmp_path, 0, 2).exit(ExitCode.TERMINATED, "TERMINATED", "SIGTERM from ft_launcher")  # rank 1: nothing
+    ledger, restart = _restart(tmp_path, monkeypatch, attempt=1)
+    fault = restart["fault"]
+    assert restart["layer"] == "injob" and fault["kind"] == "killed" and fault["step"] is None
+    assert "rank 1: no exit recorded" in fault["detail"] and "rank 0: exit 143 (TERMINATED)" in fault["detail"]
+    ledger.on_step_end(5)
+    recovered = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "recovered"][0]
+    assert recovered["fault_kind"] == "killed" and recovered["steps_redone"] is None and recovered["recovery_s"] >= 0
+
+
+def test_injob_restart_names_the_first_code_that_is_not_a_stopped_peer(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    Ledger(tmp_path, 0, 2).on_train_start(0, 0)
+    Ledger(tmp_path, 0, 2).exit(ExitCode.TERMINATED, "TERMINATED")
+    Ledger(tmp_path, 1, 2).exit(ExitCode.RANKS_LOST, "RANKS_LOST", "gloo: connection closed by peer")
+    _, restart = _restart(tmp_path, monkeypatch, attempt=1, rank=1)
+    assert restart["fault"]["kind"] == "ranks_lost" and restart["fault"]["time"] is not None
+    # the next attempt only looks at exits after this rank's last restart: none -> both ranks "killed"
+    _, again = _restart(tmp_path, monkeypatch, attempt=2, rank=1)
+    assert again["fault"]["kind"] == "killed" and again["fault"]["time"] is None
+
+
+def test_inprocess_restart_names_the_exception_the_wrapper_caught(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    ledger = Ledger(tmp_path, 0, 2)
+    ledger.on_train_start(0, 0)
+    ledger.note_exception(RuntimeError("boom"))
+    ledger.on_train_start(1, 2)
+    peer = Ledger(tmp_path, 1, 2)
+    peer.on_train_start(1, 2)  # nothing caught on this rank: another rank failed
+    restarts = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "restart"]
+    assert [(r["rank"], r["fault"]["kind"]) for r in restarts] == [(0, "exception"), (1, "peer_fault")]
+    assert restarts[0]["fault"]["detail"] == "RuntimeError: boom"
+    assert all(r["fault"] is not None for r in restarts)
+
+
+# --- evaluation of a directory holding only an unfinished save -------------------------------------------
+def test_evaluate_without_a_committed_checkpoint_says_why_in_one_line(tmp_path, capsys):
+    from trainer.evaluate import main
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step-00000004.tmp").mkdir(parents=True)
+    (ckpt / "step-00000004.tmp" / "rank-00000.pt").write_bytes(b"partial")
+    before = snapshot(ckpt)
+    code = main(["--checkpoint-dir", str(ckpt), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o.json")])
+    err = capsys.readouterr().err
+    assert code == ExitCode.CHECKPOINT_ERROR
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "step-00000004.tmp" in lines[0] and "a save that never finished" in lines[0]
+    assert "see the warnings above" not in err and "Traceback" not in err
+    assert snapshot(ckpt) == before and not (tmp_path / "o.json").exists()
+
+
+# --- the local backend: a permanent exit is one launch; every launch's TMPDIR is removed ---------------------
+def test_local_backend_relaunches_launcher_lost_stops_on_permanent_and_removes_each_tmpdir(tmp_path):
+    from components.lib.local_launcher import LocalJobSpec, LocalLauncher, PermanentFailure
+
+    entry = tmp_path / "entrypoint.sh"
+    entry.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""
+        import os, sys
+        from pathlib import Path
+        tmp = Path(os.environ["TMPDIR"])
+        (tmp / "pymp-left").mkdir()  # what a killed worker leaves behind
+        (tmp / "torchelastic_left").mkdir()
+        with open({str(tmp_path / 'tmpdirs')!r}, "a") as f:
+            f.write(str(tmp) + "\\n")
+        n = len(open({str(tmp_path / 'tmpdirs')!r}).read().splitlines())
+        sys.exit({int(ExitCode.LAUNCHER_LOST)} if n == 1 else {int(ExitCode.DATA_ERROR)})
+    """))
+    entry.chmod(0o755)
+    out = io.StringIO()
+    with pytest.raises(PermanentFailure) as err:
+        LocalLauncher(out).run(LocalJobSpec(args=["--config", "tiny"], entrypoint=entry, state_dir=tmp_path / "state",
+                                            max_cluster_restarts=5, relaunch_delay_s=0))
+    tmpdirs = (tmp_path / "tmpdirs").read_text().split()
+    assert len(tmpdirs) == 2 and tmpdirs[0] != tmpdirs[1], "one launch per exit: 204 relaunched, 3 not"
+    assert "exit 204 (LAUNCHER_LOST) is retryable: relaunching" in out.getvalue()
+    assert err.value.exit_code == ExitCode.DATA_ERROR and "3 (DATA_ERROR)" in str(err.value)
+    assert not any(Path(t).exists() for t in tmpdirs)
