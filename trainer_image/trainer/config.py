@@ -102,6 +102,9 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    implementation: str = "auto"
+    """AdamW kernel: ``auto`` (``fused`` on GPU, ``for_loop`` on CPU), ``fused`` (one multi-tensor CUDA kernel),
+    ``foreach`` or ``for_loop`` (one parameter at a time: bit-identical between runs and world sizes on CPU)."""
 
     def validate(self) -> None:
         _positive(self, "optim", ("lr", "eps"))
@@ -112,6 +115,7 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optim.{name} must be in [0, 1); got {getattr(self, name)}")
+        _choice(self, "optim", "implementation", ("auto", "fused", "foreach", "for_loop"))
 
 
 @dataclass

@@ -105,8 +105,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: the per-parameter path is bit-identical between runs and world sizes on CPU.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             **kernel[adamw_implementation(cfg, decay[0].device)])
+
+
+def adamw_implementation(cfg: OptimConfig, device: torch.device) -> str:
+    """``auto``: the fused CUDA kernel on GPU (elementwise, so reruns stay deterministic); on CPU the
+    per-parameter loop, whose results are bit-identical between runs and world sizes."""
+    if cfg.implementation != "auto":
+        return cfg.implementation
+    return "fused" if device.type == "cuda" else "for_loop"
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
