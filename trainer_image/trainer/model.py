@@ -92,8 +92,18 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype. Compiled (``train.compile``),
+    the upcast is fused into the softmax reduction: no fp32 copy of the ``[tokens, vocab]`` logits is made."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
 class Transformer(nn.Module):
-    """Decoder-only language model. ``forward(tokens) -> logits`` (``[batch, seq, vocab]``)."""
+    """Decoder-only language model. ``forward(tokens) -> logits`` (``[batch, seq, vocab]``);
+    ``forward(tokens, targets) -> loss``: the logits then live only inside the call."""
+
+    loss_fn = staticmethod(cross_entropy)
+    """Replaced by its compiled version when ``train.compile`` is on (``parallel.apply_fsdp``)."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
@@ -127,11 +137,12 @@ class Transformer(nn.Module):
                 rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
             )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        logits = self.output(self.norm(h))
+        return logits if targets is None else self.loss_fn(logits, targets)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

@@ -102,5 +102,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
         # The last block's parameters are needed again right away by the root's backward; keep them.
         fully_shard(block, mp_policy=policy, reshard_after_forward=idx < len(layers) - 1)
         layers[idx] = block
+    if cfg.compile:
+        model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
     fully_shard(model, mp_policy=policy)
     return model

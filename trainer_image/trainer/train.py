@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from trainer import parallel, resiliency
@@ -195,8 +194,7 @@ def _loop(
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        loss = model(inputs, targets)  # the logits die inside: none stay alive into the next forward
         loss.backward()
         grad_norm = None
         if cfg.optim.grad_clip > 0:
