@@ -91,18 +91,28 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 per block, then root."""
+    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 units: each block, the
+    embedding, [final norm, output], and the root.
+
+    Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
+    instead of running with the root's. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
+    keeps the checkpoint's DTensor layout), but nothing is resharded after the forward: the bf16 copies are
+    kept for the backward rather than cast again.
+    """
     policy = mixed_precision(cfg, device)
+    reshard = dist.get_world_size() > 1
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
             block = torch.compile(block)
-        # The last block's parameters are needed again right away by the root's backward; keep them.
-        fully_shard(block, mp_policy=policy, reshard_after_forward=idx < len(layers) - 1)
+        # The last block's parameters are needed again right away by the backward; keep them.
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
     if cfg.compile:
         model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
+    fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
     fully_shard(model, mp_policy=policy)
     return model
