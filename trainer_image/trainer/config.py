@@ -142,6 +142,9 @@ class TrainConfig:
     """Intra-op threads per process on CPU; 0 = cores / local ranks."""
     deterministic: bool = True
     """Use deterministic algorithms (bit-identical reruns on CPU)."""
+    gc_every: int = 50
+    """Python's automatic garbage collection is off during the step loop (a collection can stall any step);
+    a young-generation collection runs every N steps instead. 0 keeps automatic collection."""
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "log_every"))
@@ -149,6 +152,8 @@ class TrainConfig:
         _choice(self, "train", "mixed_precision", ("auto", "bf16", "fp32"))
         if self.cpu_threads < 0:
             raise ConfigError(f"train.cpu_threads must be >= 0 (0 = automatic); got {self.cpu_threads}")
+        if self.gc_every < 0:
+            raise ConfigError(f"train.gc_every must be >= 0 (0 = automatic collection); got {self.gc_every}")
 
 
 @dataclass
