@@ -111,6 +111,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
     if cfg.compile:
+        model.norm = torch.compile(model.norm)  # type: ignore[assignment]
         model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
     fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
     fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
