@@ -133,7 +133,13 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     compile: bool = False
-    """``torch.compile`` each transformer block."""
+    """``torch.compile`` each transformer block (and, with ``compile_loss``, the final norm and the loss)."""
+    compile_loss: bool = True
+    """With ``compile``: also compile the final RMSNorm and the cross-entropy (the fp32 upcast is fused into the
+    softmax, so no fp32 copy of the ``[tokens, vocab]`` logits is made); off leaves both eager."""
+    reshard_after_forward: str = "auto"
+    """FSDP2: free each block's gathered parameters after its forward and gather them again for the backward.
+    ``auto``: only with more than one rank (with one there is nothing to save); ``always``; ``never``."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1
@@ -150,6 +156,7 @@ class TrainConfig:
         _positive(self, "train", ("steps", "batch_size", "log_every"))
         _choice(self, "train", "device", ("auto", "cpu", "cuda"))
         _choice(self, "train", "mixed_precision", ("auto", "bf16", "fp32"))
+        _choice(self, "train", "reshard_after_forward", ("auto", "always", "never"))
         if self.cpu_threads < 0:
             raise ConfigError(f"train.cpu_threads must be >= 0 (0 = automatic); got {self.cpu_threads}")
         if self.gc_every < 0:

@@ -96,11 +96,11 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
 
     Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
     instead of running with the root's. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
-    keeps the checkpoint's DTensor layout), but nothing is resharded after the forward: the bf16 copies are
-    kept for the backward rather than cast again.
+    keeps the checkpoint's DTensor layout), but by default (``train.reshard_after_forward=auto``) nothing is
+    resharded after the forward: the bf16 copies are kept for the backward rather than cast again.
     """
     policy = mixed_precision(cfg, device)
-    reshard = dist.get_world_size() > 1
+    reshard = {"auto": dist.get_world_size() > 1, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
         if cfg.activation_checkpointing:
@@ -110,7 +110,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
         # The last block's parameters are needed again right away by the backward; keep them.
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
-    if cfg.compile:
+    if cfg.compile and cfg.compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
         model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
     fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
