@@ -49,16 +49,16 @@ common() {  # trainer arguments shared by every trainer run ($1: run dir)
 }
 
 ours() {  # label tree est_s [trainer_run.py args] -- [trainer overrides]: a trainer tree under torchrun
-  local label=$1 tree=$2; fits "$label" "$3" || return; shift 3
+  local label=$1 tree=$2 est=$3; fits "$label" "$est" || return; shift 3
   say "ours $label ($tree)"
   rm -rf "${RUNS:?}/$label"
   mapfile -t base < <(common "$RUNS/$label")
-  PYTHONPATH="$tree/trainer_image:$PWD:$BASE_PYTHONPATH" timeout 400 torchrun --standalone \
+  PYTHONPATH="$tree/trainer_image:$PWD:$BASE_PYTHONPATH" timeout $((3 * est)) torchrun --standalone \
     --nproc-per-node "$NPROC" bench/trainer_run.py --label "$label" "${base[@]}" "$@" 2>"$RUNS/$label.log" | fig
 }
 
 production() {  # label est_s [trainer overrides]: trainer_image/entrypoint.sh with every recovery layer on
-  local label=$1; fits "$label" "$2" || return; shift 2
+  local label=$1 est=$2; fits "$label" "$est" || return; shift 2
   say "production $label"
   rm -rf "${RUNS:?}/$label"
   mapfile -t base < <(common "$RUNS/$label")
@@ -76,53 +76,68 @@ exec ft_launcher "\${args[@]}"
 EOF
   chmod +x "$shim"
   PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" FT_LAUNCHER="$shim" NPROC_PER_NODE="$NPROC" \
-    MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=0 timeout 400 trainer_image/entrypoint.sh \
+    MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=0 timeout $((3 * est)) trainer_image/entrypoint.sh \
     "${base[@]}" --resiliency.inprocess=true "$@" 2>"$RUNS/$label.log" | fig
 }
 
-titan() {  # label est_s [anchor args]: torchtitan on the same shape and settings
-  local label=$1; fits "$label" "$2" || return; shift 2
+titan() {  # label est_s [anchor args]: torchtitan on the same shape and settings; on failure once more
+  local label=$1 est=$2; fits "$label" "$est" || return; shift 2  # without CUDA graphs (torchtitan's option)
   say "torchtitan $label"
-  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout 400 python3 bench/anchor_torchtitan.py \
+  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout $((3 * est)) python3 bench/anchor_torchtitan.py \
     --config "$CONFIG" --nproc "$NPROC" --steps "$STEPS" --out "$RUNS/$label" --label "$label" "$@" \
-    >"$RUNS/$label.log" 2>&1
+    >"$RUNS/$label.log" 2>&1 && { fig <"$RUNS/$label.log"; return; }
   fig <"$RUNS/$label.log"
+  tail -n 30 "$RUNS/$label.log" >&2
+  [[ "$*" == *--no-cuda-graphs* ]] || titan "$label-nographs" "$est" "$@" --no-cuda-graphs
 }
 
 part_headline() {
-  production ours-compiled 90 --train.compile=true
-  titan titan-compiled 120 --compile
-  production ours-eager 45 --train.compile=false
-  titan titan-eager 90 --no-compile
+  production ours-compiled 70 --train.compile=true
+  titan titan-compiled 90 --compile
+  production ours-eager 35 --train.compile=false
+  titan titan-eager 60 --no-compile
 }
 
 part_before() {
-  ours before-compiled "${BEFORE_TREE:?set BEFORE_TREE to a trainer tree}" 100 --stop-at "$STOP" --profile-steps 3 \
-    --variants '[{"label": "before-eager", "set": ["--train.compile=false"]}]' -- --train.compile=true
-}
-
-part_kernels() {
-  ours kernels-old "${KERNELS_TREE:?set KERNELS_TREE to a trainer tree}" 60 --stop-at "$STOP" -- --train.compile=true
+  ours before-compiled "${BEFORE_TREE:?set BEFORE_TREE to a trainer tree}" 80 --stop-at "$STOP" --profile-steps 3 \
+    --variants '[{"label": "before-eager", "set": ["--train.compile=false"]}]' -- --train.compile=true \
+    --train.log_every=5
 }
 
 part_ablation() {
-  # Each variant leaves one change out (or the recovery layers); "after" is everything, profiled after STOP.
-  ours after "$PWD" 200 --stop-at "$STOP" --profile-steps 3 --variants '[
+  # Each variant leaves one change out (or the recovery layers); "after" has them all and is profiled.
+  ours after "$PWD" 120 --stop-at "$STOP" --profile-steps 3 --variants '[
     {"label": "no-fused-adamw", "set": ["--optim.implementation=for_loop"]},
     {"label": "no-compiled-loss", "set": ["--train.compile_loss=false"]},
     {"label": "reshard-always", "set": ["--train.reshard_after_forward=always"]},
     {"label": "auto-gc", "set": ["--train.gc_every=0"]},
-    {"label": "layers-off", "layers": "off"},
-    {"label": "after-eager", "set": ["--train.compile=false"]},
-    {"label": "after-eager-layers-off", "set": ["--train.compile=false"], "layers": "off"}
-  ]' -- --train.compile=true
+    {"label": "layers-off", "layers": "off"}
+  ]' -- --train.compile=true --train.log_every=5
 }
 
+part_kernels() {
+  ours kernels-old "${KERNELS_TREE:?set KERNELS_TREE to a trainer tree}" 50 --stop-at "$STOP" -- \
+    --train.compile=true --train.log_every=5
+}
+
+pack() { tar -czf "$OUT/runs.tar.gz" -C "$RUNS" --exclude=ckpt --exclude=checkpoints --exclude=data . 2>/dev/null; }
+
 ensure_data
+python3 - <<'EOF' | fig
+import json, subprocess, torch
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit",
+                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+try:
+    import torchtitan
+    titan = torchtitan.__version__
+except ImportError:
+    titan = None
+print(json.dumps({"figure": "env", "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())), "torchtitan": titan, "gpus": smi}))
+EOF
 for part in "$@"; do
   say "part $part"
   "part_$part"
+  pack
 done
 say "done"
-tar -czf "$OUT/runs.tar.gz" -C "$RUNS" --exclude='ckpt' --exclude='data' --exclude='*.pt' --exclude='*.distcp' \
-  --exclude='torchinductor*' . 2>/dev/null
