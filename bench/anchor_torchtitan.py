@@ -33,6 +33,9 @@ from typing import Any, Iterator
 WINDOW = 10  # steps per timing window: the trainer's log_every in the 1b/8b flavours
 
 
+ANCHOR_ARGS = "ANCHOR_ARGS"  # set in the workers started by torchrun
+
+
 def parse() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="1b", help="the trainer's flavour or TOML")
@@ -45,14 +48,15 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default="runs/anchor", help="torchtitan's dump folder")
     parser.add_argument("--label", default="")
-    return parser.parse_known_args()
+    argv = json.loads(os.environ[ANCHOR_ARGS]) if ANCHOR_ARGS in os.environ else sys.argv[1:]
+    return parser.parse_known_args(argv)
 
 
 def relaunch(args: argparse.Namespace) -> int:
     """Start this script under torchrun, one process per GPU."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           __file__, *sys.argv[1:]]
-    return subprocess.call(cmd, env={**os.environ, "ANCHOR_WORKER": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", __file__]
+    # The arguments travel in the environment: torchrun would take `--nproc` etc. for abbreviations of its own.
+    return subprocess.call(cmd, env={**os.environ, ANCHOR_ARGS: json.dumps(sys.argv[1:])})
 
 
 def trainer_config(config: str, overrides: list[str]) -> Any:
@@ -235,7 +239,7 @@ def run_worker(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
 
 def main() -> int:
     args, overrides = parse()
-    if not os.environ.get("ANCHOR_WORKER"):
+    if ANCHOR_ARGS not in os.environ:
         return relaunch(args)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     try:

@@ -37,7 +37,7 @@ def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles: one
     complex multiplication in fp32 (a single kernel in eager mode)."""
     seq = x.shape[1]
-    rotation = torch.view_as_complex(tables[:seq]).view(1, seq, 1, -1)
+    rotation = torch.view_as_complex(tables[:seq].float()).view(1, seq, 1, -1)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 

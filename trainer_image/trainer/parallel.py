@@ -86,7 +86,9 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
     if mode == "auto":
         mode = "bf16" if device.type == "cuda" else "fp32"
     if mode == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # No cast of forward inputs: the activations are bf16 already (the embedding's output), and the fp32
+        # RoPE tables passed to every block must stay fp32.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 
 
