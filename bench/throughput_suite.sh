@@ -13,6 +13,8 @@
 #   before    the trainer tree in $BEFORE_TREE (the code before this issue): compiled with a profile, eager
 #   ablation  this tree, one process: every change left out in turn, and the recovery layers' cost per step
 #   kernels   the tree in $KERNELS_TREE (this tree without the RMSNorm/RoPE kernel change), compiled
+# torchtitan is whichever version is importable (the anchor speaks the 0.2 and 0.3 APIs). 0.3.0 does not import
+# under PyTorch 2.11 (DataParallelMeshDims is newer); on such a machine carry torchtitan 0.2.2 instead.
 # Environment: NPROC (GPUs, default all), CONFIG (1b; 8b takes seq 8192, batch 1 and activation checkpointing
 # from its TOML), STEPS (40), STOP (ablation runs' last measured step, 20), DATA (token shards; built when
 # missing), DEADLINE_S (a run that would start later than this many seconds into the suite is skipped).

@@ -107,7 +107,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             **kernel[adamw_implementation(cfg, decay[0].device)])
+                             **kernel[adamw_implementation(cfg, next(model.parameters()).device)])
 
 
 def adamw_implementation(cfg: OptimConfig, device: torch.device) -> str:
@@ -188,6 +188,7 @@ class GarbageCollection:
 
 
 def _loop(res: Resources, *args: Any) -> dict[str, Any]:
+    """The step loop (``_steps``) under the garbage-collection policy of ``train.gc_every``."""
     with GarbageCollection(res.cfg.train.gc_every) as collector:
         return _steps(res, *args, collector=collector)
 
