@@ -12,76 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from statelib import assert_equal, disk_only, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
 from trainer.checkpoint import (
-    FAULT_ENV, MANIFEST, CheckpointError, CheckpointManager, CheckpointStorageError, _copy_overlap,
-    committed_steps, load_model_weights, step_dir_name,
+    FAULT_ENV, MANIFEST, CheckpointError, CheckpointStorageError, committed_steps, copy_overlap, load_model_weights,
+    step_dir_name,
 )
-from trainer.config import CheckpointConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.exitcodes import ExitCode
-from trainer.model import Transformer
-from trainer.parallel import DistEnv, apply_fsdp
-from trainer.train import TrainProgress, build_optimizer
-
-MODEL = ModelConfig(name="micro", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
-SEQ = 8
-
-
-class FakeLoader:
-    def __init__(self) -> None:
-        self.position = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = int(state["position"])
-
-
-@pytest.fixture
-def pg():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def make_state(seed: int = 0) -> dict:
-    model = Transformer(MODEL, max_seq_len=SEQ)
-    model.init_weights(seed)
-    model = apply_fsdp(model, TrainConfig(device="cpu"), torch.device("cpu"))
-    optimizer = build_optimizer(model, OptimConfig())
-    return {"model": model, "optimizer": optimizer, "progress": TrainProgress(), "dataloader": FakeLoader()}
-
-
-def train_step(state: dict, step: int) -> None:
-    tokens = torch.randint(0, MODEL.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(step))
-    logits = state["model"](tokens[:, :-1])
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    state["optimizer"].step()
-    state["optimizer"].zero_grad(set_to_none=True)
-    state["progress"].step = step
-    state["dataloader"].position += 2
-
-
-def snapshot(state: dict) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors (local), cloned."""
-    out = {f"model/{k}": v.to_local().clone() for k, v in state["model"].state_dict().items()}
-    for i, (p, st) in enumerate(state["optimizer"].state.items()):
-        for name, value in st.items():
-            out[f"optim/{i}/{name}"] = (value.to_local() if hasattr(value, "to_local") else value).clone()
-    return out
-
-
-def assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-def manager(tmp_path: Path, **kw) -> CheckpointManager:
-    cfg = CheckpointConfig(**{"interval": 1, "keep": 3, **kw})
-    mgr = CheckpointManager(cfg, tmp_path / "ckpt", DistEnv(0, 1, 0, 1), config_json=json.dumps({"test": True}))
-    mgr.bind()
-    return mgr
 
 
 def test_async_save_returns_before_the_write_and_snapshots_the_state(tmp_path, pg, monkeypatch):
@@ -92,16 +28,17 @@ def test_async_save_returns_before_the_write_and_snapshots_the_state(tmp_path, p
     try:
         before = snapshot(state)
         assert mgr.save(2, state) is True
-        # save() returned while the writer is still inside the file: nothing committed, no report yet.
-        assert not mgr._local_done(blocking=False)
-        assert committed_steps(mgr.dir) == [] and mgr.latest_in_memory() is None
+        # save() returned while the writer is still inside the file: nothing committed, but the snapshot already
+        # counts in the memory tier.
+        assert committed_steps(mgr.dir) == [] and mgr.writer.busy
+        assert mgr.latest_in_memory().step == 2
         train_step(state, 3)  # training goes on and mutates params, moments and the CPU Adam ``step`` tensors
         assert not torch.equal(snapshot(state)["optim/0/step"], before["optim/0/step"])
         mgr.save(3, state)  # not due: polls the writer, commits if finished
         mgr.save(4, state, last_step=True)
         assert committed_steps(mgr.dir) == [2, 4]
         fresh = make_state(seed=1)
-        mgr2 = manager(tmp_path)  # a new manager: no in-memory copy, reads the disk
+        mgr2 = manager(tmp_path, node_local=False)  # a new manager on a new node: reads the disk
         try:
             shutil.rmtree(mgr.dir / step_dir_name(4))
             assert mgr2.load_latest(fresh) == 2
@@ -124,11 +61,11 @@ def test_sync_and_in_memory_restore_are_bit_identical(tmp_path, pg, caplog):
         restored = make_state(seed=5)
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
             assert mgr.load_latest(restored) == 1
-        assert "in-memory copy" in caplog.text
+        assert "from the memory tier" in caplog.text and mgr.restored_from == "memory"
         assert_equal(snapshot(restored), expected)
         assert restored["progress"].step == 1 and restored["dataloader"].position == 2
         from_disk = make_state(seed=6)
-        mgr._memory = None
+        disk_only(mgr)
         assert mgr.load_latest(from_disk) == 1
         assert_equal(snapshot(from_disk), expected)
     finally:
@@ -165,7 +102,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, pg, caplog, corrupt, re
         train_step(state, 2)
         mgr.save(2, state)
         corrupt(mgr.dir / step_dir_name(2))
-        mgr._memory = None  # a restarted process: only the disk
+        disk_only(mgr)
         restored = make_state(seed=3)
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
             assert mgr.load_latest(restored) == 1
@@ -186,12 +123,12 @@ def test_no_valid_checkpoint_is_a_clear_permanent_error(tmp_path, pg):
             train_step(state, step)
             mgr.save(step, state)
             _flip_bytes(mgr.dir / step_dir_name(step))
-        mgr._memory = None
+        disk_only(mgr)
         with pytest.raises(CheckpointError, match=r"no valid checkpoint in .*ckpt.*step-00000002 \(checksum-mismatch\)") as err:
             mgr.load_latest(make_state())
         assert err.value.exit_code == ExitCode.CHECKPOINT_ERROR
-        with pytest.raises(CheckpointError, match="no valid checkpoint"):
-            load_model_weights(mgr.dir)
+        with pytest.raises(CheckpointError, match=r"no committed checkpoint .*corrupt-checksum-mismatch.*quarantined"):
+            load_model_weights(mgr.dir)  # evaluation: one line that names what is there
     finally:
         mgr.close()
 
@@ -205,7 +142,7 @@ def test_disk_full_is_reported_and_loses_no_checkpoint(tmp_path, pg, monkeypatch
         mgr.save(1, state, last_step=True)
         monkeypatch.setenv(FAULT_ENV, "enospc")
         train_step(state, 2)
-        with pytest.raises(CheckpointStorageError, match="disk is full") as err:
+        with pytest.raises(CheckpointStorageError, match="disk full") as err:
             mgr.save(2, state, last_step=True)
         assert str(mgr.dir) in str(err.value) and "step-00000001" in str(err.value)
         assert committed_steps(mgr.dir) == [1]
@@ -220,24 +157,34 @@ def test_close_terminates_the_writer_and_is_idempotent(tmp_path, pg):
     mgr = manager(tmp_path)
     train_step(state, 1)
     mgr.save(1, state, last_step=True)
-    process = mgr._queue.persistent_caller.process
+    process = mgr.writer._queue.persistent_caller.process
     assert process.is_alive()
     mgr.close()
     mgr.close()
     assert not process.is_alive() and process.exitcode == 0
 
 
-def test_in_flight_save_is_committed_by_the_next_attempt(tmp_path, pg):
+def test_in_process_restart_never_waits_for_the_disk(tmp_path, pg, monkeypatch, caplog):
+    monkeypatch.setenv(FAULT_ENV, "slow_write:3")
     state = make_state()
     mgr = manager(tmp_path)
     try:
         train_step(state, 1)
         mgr.save(1, state)
-        mgr.unbind()  # a fault ends the attempt; no collective
+        expected = snapshot(state)
+        mgr.unbind()  # a fault ends the attempt while the write is in flight; no collective
         dist.destroy_process_group()
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         mgr.bind()
-        assert committed_steps(mgr.dir) == [1] and mgr.latest_in_memory().step == 1
+        restored = make_state(seed=4)
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            assert mgr.load_latest(restored) == 1
+        # Restored from host memory while the write still runs: nothing was committed or read yet.
+        assert mgr.restored_from == "memory" and mgr.writer.busy and committed_steps(mgr.dir) == []
+        assert_equal(snapshot(restored), expected)
+        train_step(restored, 2)
+        mgr.save(2, restored, last_step=True)  # the earlier write commits in the background, then step 2
+        assert committed_steps(mgr.dir) == [1, 2]
     finally:
         mgr.close()
 
@@ -271,6 +218,6 @@ def test_uneven_chunks_reassemble_on_any_world_size():
         dst_chunks = list(torch.chunk(torch.empty_like(full), n_dst))
         dst_offsets = [sum(c.shape[0] for c in dst_chunks[:i]) for i in range(len(dst_chunks))]
         for dst, d_off in zip(dst_chunks, dst_offsets):
-            covered = sum(_copy_overlap(dst, (d_off, 0), s, (o, 0), tuple(s.shape)) for s, o in zip(src, offsets))
+            covered = sum(copy_overlap(dst, (d_off, 0), s, (o, 0), tuple(s.shape)) for s, o in zip(src, offsets))
             assert covered == dst.numel()
         assert torch.equal(torch.cat(dst_chunks), full)

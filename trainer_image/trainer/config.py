@@ -30,6 +30,47 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message says what to change."""
 
 
+KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
+"""Fault kinds of ``resiliency.faults`` (injected by ``trainer.faults``)."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    kind: str
+
+    @property
+    def marker_name(self) -> str:
+        return f"{self.rank}-{self.step}-{self.kind}"
+
+
+def parse_faults(items: list[str] | tuple[str, ...]) -> list[FaultSpec]:
+    """Parse ``rank:step:kind`` items; a ConfigError says what to change."""
+    specs: list[FaultSpec] = []
+    for item in items:
+        parts = item.strip().split(":")
+        hint = f"resiliency.faults item {item!r} must look like rank:step:kind, e.g. 1:5:exception"
+        if len(parts) != 3:
+            raise ConfigError(hint)
+        rank_s, step_s, kind = (p.strip() for p in parts)
+        try:
+            rank, step = int(rank_s), int(step_s)
+        except ValueError:
+            raise ConfigError(f"{hint}; rank and step must be integers") from None
+        if rank < 0:
+            raise ConfigError(f"{hint}; rank must be >= 0, got {rank}")
+        if step < 1:
+            raise ConfigError(f"{hint}; step must be >= 1 (steps count from 1), got {step}")
+        if kind not in KINDS:
+            raise ConfigError(f"{hint}; unknown kind {kind!r}, kinds are {list(KINDS)}")
+        spec = FaultSpec(rank, step, kind)
+        if any((s.rank, s.step) == (rank, step) for s in specs):
+            raise ConfigError(f"resiliency.faults has two faults for rank {rank} at step {step}; keep one")
+        specs.append(spec)
+    return specs
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -167,8 +208,25 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str = ""
     """Checkpoint directory on shared storage; empty = ``<train.run_dir>/checkpoints``."""
-    interval: int = 0
-    """Save every N steps; 0 saves only at the end of the run."""
+    interval: int | str = 0
+    """Memory checkpoint every N steps (a snapshot in host memory: it blocks only for the device-to-host copy);
+    ``"auto"`` chooses N by Young/Daly, sqrt(2 * measured snapshot cost * ``mtbf_s``), logged and recorded in
+    the recovery ledger; 0 checkpoints only at the end of the run."""
+    persist_every: int = 1
+    """Every N-th memory checkpoint is also written to ``dir`` in the background (the persistent tier, read by
+    evaluation, the cluster layer and new nodes); 1 persists every one, 0 only the final one."""
+    memory_slots: int = 2
+    """Snapshot slots per rank in host memory (each holds this rank's whole state). The newest complete snapshot
+    is never overwritten and a slot being persisted is locked, so with 2 a memory checkpoint is skipped while an
+    older slot is still being written; 3 never skips."""
+    node_local: bool = True
+    """Publish each snapshot on the node (a header with a checksum beside the slot file) so a worker respawned
+    on the same node resumes from it instead of the disk."""
+    node_local_dir: str = "/dev/shm"
+    """Memory-backed directory for the snapshot slots (a memory ``emptyDir`` in Kubernetes); ``entrypoint.sh``
+    gives each job its own subdirectory and removes it when the job ends."""
+    mtbf_s: float = 86400.0
+    """Mean time between failures of the whole job, for ``interval = "auto"``."""
     keep: int = 2
     """Committed checkpoints to keep (>= 2 so a corrupt newest one can fall back)."""
     async_save: bool = True
@@ -178,11 +236,26 @@ class CheckpointConfig:
     init_from: str = ""
     """Warm start: load model weights (not optimizer or step) from this checkpoint dir when ``dir`` is empty."""
     verify_checksums: bool = True
-    """Verify every shard's sha256 against the manifest before loading (each rank hashes its share of the files)."""
+    """Verify the sha256 of every 64 MiB chunk of the shards a rank reads, with a thread pool while reading them
+    (one disk pass; the load then reads from the page cache)."""
 
     def validate(self) -> None:
-        if self.interval < 0:
-            raise ConfigError(f"checkpoint.interval must be >= 0 (0 = only the final save); got {self.interval}")
+        if isinstance(self.interval, str) and self.interval.strip().isdigit():
+            self.interval = int(self.interval)
+        if self.interval != "auto" and not (isinstance(self.interval, int) and self.interval >= 0):
+            raise ConfigError(
+                f"checkpoint.interval must be a number of steps >= 0 (0 = only the final save) or \"auto\"; "
+                f"got {self.interval!r}"
+            )
+        if self.persist_every < 0:
+            raise ConfigError(f"checkpoint.persist_every must be >= 0 (0 = only the final save); got {self.persist_every}")
+        if self.memory_slots < 2:
+            raise ConfigError(
+                f"checkpoint.memory_slots must be >= 2 so the newest snapshot stays valid while the next is staged; "
+                f"got {self.memory_slots}"
+            )
+        if self.mtbf_s <= 0:
+            raise ConfigError(f"checkpoint.mtbf_s must be > 0; got {self.mtbf_s}")
         if self.keep < 2:
             raise ConfigError(
                 f"checkpoint.keep must be >= 2 so a corrupt latest checkpoint can fall back; got {self.keep}"
@@ -259,8 +332,6 @@ class ResiliencyConfig:
                 f"resiliency.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be greater than "
                 f"resiliency.monitor_process_interval_s ({self.monitor_process_interval_s:g})"
             )
-        from trainer.faults import parse_faults  # stdlib only
-
         parse_faults(self.faults)
 
     def check_collective_timeout(self, backend: str) -> None:

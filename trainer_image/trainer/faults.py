@@ -20,7 +20,7 @@ Kinds:
 - ``corrupt_checkpoint``: overwrite the middle of the largest file of the newest committed checkpoint
   with random bytes (the next load must detect it and fall back), then continue training.
 
-Only the standard library is imported here (config validation parses fault specs).
+Only the standard library is imported at module level; ``trainer.config`` parses the fault specs.
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.config import ConfigError
+from trainer.config import KINDS, ConfigError, FaultSpec, parse_faults  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
-KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
 MARKER_DIR = "faults"
 ENTRYPOINT_PID_ENV = "TRAINER_ENTRYPOINT_PID"  # exported by entrypoint.sh
 _CORRUPT_BYTES = 4096
@@ -46,43 +44,6 @@ _CORRUPT_BYTES = 4096
 
 class InjectedFault(RuntimeError):
     """The ``exception`` fault kind."""
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    rank: int
-    step: int
-    kind: str
-
-    @property
-    def marker_name(self) -> str:
-        return f"{self.rank}-{self.step}-{self.kind}"
-
-
-def parse_faults(items: list[str] | tuple[str, ...]) -> list[FaultSpec]:
-    """Parse ``rank:step:kind`` items; a ConfigError says what to change."""
-    specs: list[FaultSpec] = []
-    for item in items:
-        parts = item.strip().split(":")
-        hint = f"resiliency.faults item {item!r} must look like rank:step:kind, e.g. 1:5:exception"
-        if len(parts) != 3:
-            raise ConfigError(hint)
-        rank_s, step_s, kind = (p.strip() for p in parts)
-        try:
-            rank, step = int(rank_s), int(step_s)
-        except ValueError:
-            raise ConfigError(f"{hint}; rank and step must be integers") from None
-        if rank < 0:
-            raise ConfigError(f"{hint}; rank must be >= 0, got {rank}")
-        if step < 1:
-            raise ConfigError(f"{hint}; step must be >= 1 (steps count from 1), got {step}")
-        if kind not in KINDS:
-            raise ConfigError(f"{hint}; unknown kind {kind!r}, kinds are {list(KINDS)}")
-        spec = FaultSpec(rank, step, kind)
-        if any((s.rank, s.step) == (rank, step) for s in specs):
-            raise ConfigError(f"resiliency.faults has two faults for rank {rank} at step {step}; keep one")
-        specs.append(spec)
-    return specs
 
 
 class FaultInjector:
@@ -183,7 +144,7 @@ def corrupt_newest_checkpoint(checkpoint_dir: Path) -> Path | None:
 
     Returns the corrupted file, or None when there is no committed checkpoint yet.
     """
-    from trainer.checkpoint import committed_steps, step_dir_name  # torch: only when this fault fires
+    from trainer.checkpoint.layout import committed_steps, step_dir_name  # torch: only when this fault fires
 
     steps = committed_steps(Path(checkpoint_dir))
     if not steps:

@@ -84,8 +84,9 @@ class Ledger:
     def fault(self, kind: str, step: int) -> None:
         self.write("fault", kind=kind, step=step)
 
-    def on_train_start(self, iteration: int, resumed_step: int) -> None:
-        """Called by every rank when ``train()`` (re)starts, after the checkpoint is loaded."""
+    def on_train_start(self, iteration: int, resumed_step: int, tier: str | None = None) -> None:
+        """Called by every rank when ``train()`` (re)starts, after the checkpoint is loaded from ``tier``
+        (memory, node-local, disk; None when nothing was loaded)."""
         self.iteration = iteration
         if iteration > 0:
             layer = "inprocess"
@@ -98,7 +99,7 @@ class Ledger:
                 self.write("start")
             return
         fault = self._last_unrecovered_fault()
-        record = self.write("restart", layer=layer, resumed_step=resumed_step, fault=fault)
+        record = self.write("restart", layer=layer, resumed_step=resumed_step, tier=tier, fault=fault)
         if self.rank == 0:
             self._pending = record
 

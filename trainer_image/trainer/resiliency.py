@@ -249,9 +249,14 @@ class Layers:
         """Goes into the checkpointed state as ``state["ft"]`` (state_dict / load_state_dict)."""
         return self.heartbeat
 
-    def on_loop_start(self, resumed_step: int) -> None:
+    def on_loop_start(self, resumed_step: int, tier: str | None = None) -> None:
         if self.ledger is not None:
-            self.ledger.on_train_start(self.iteration, resumed_step)
+            self.ledger.on_train_start(self.iteration, resumed_step, tier=tier)
+
+    def record(self, event: str, **fields: Any) -> None:
+        """A decision worth keeping in the recovery ledger (rank 0's view)."""
+        if self.ledger is not None and self.rank == 0:
+            self.ledger.write(event, **fields)
 
     def before_step(self, step: int) -> None:
         if self.call_wrapper is not None:

@@ -69,9 +69,10 @@ class Resources:
         )
         return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics, checkpointer=checkpointer)
 
-    def close(self) -> None:
-        """End of the process: stop the checkpoint writer (idempotent; also runs at interpreter exit)."""
-        self.checkpointer.close()
+    def close(self, job_over: bool = False) -> None:
+        """End of the process: stop the checkpoint writer (idempotent; also runs at interpreter exit).
+        ``job_over`` (finished, or a permanent error) also removes the node-local snapshots."""
+        self.checkpointer.close(job_over=job_over)
 
 
 class TrainProgress:
@@ -143,8 +144,9 @@ def train(
     ft = ft or resiliency.NULL()  # FT: recovery layers (resiliency.run); all no-ops when called directly
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
     checkpointer = res.checkpointer
+    checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
     try:
-        checkpointer.bind()  # FT: per attempt: the new process group; settles a save left in flight by the last one
+        checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
         model = build_model(cfg, device)
         optimizer = build_optimizer(model, cfg.optim)
         loader = TokenLoader(
@@ -153,13 +155,22 @@ def train(
         progress = TrainProgress()
         state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
                  "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
-        checkpointer.load_latest(state)
+        checkpointer.load_latest(state)  # FT: memory, then node-local, then disk
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
+    except BaseException:
+        # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
+        # (which cannot be aborted) is released at once instead of at the collective timeout, and the in-process
+        # restart beats the in-job one. NCCL is left to the in-process layer's abort (see below).
+        checkpointer.unbind()
+        if parallel.backend_for(device) == "gloo":
+            parallel.destroy_process_group()
+        raise
     finally:
         checkpointer.unbind()  # FT: no collectives here: after a fault the process group may be broken
     # FT: only a clean finish destroys the process group here. After a fault the in-process layer aborts and
     # destroys it; destroying a NCCL group while a peer is blocked in a collective hangs this rank before the
     # Wrapper hears of the fault (seen on H200: the peer then waited for the soft timeout).
+    checkpointer.job_over = True
     parallel.destroy_process_group()
     return summary
 
@@ -218,7 +229,7 @@ def _steps(
         res.metrics.log({"event": "resume", "step": progress.step})
     loss = torch.zeros((), device=device)
     t_last, steps_since_log = time.perf_counter(), 0
-    ft.on_loop_start(progress.step)  # FT: ledger: start, or which layer restarted us
+    ft.on_loop_start(progress.step, checkpointer.restored_from)  # FT: ledger: start, or which layer restarted us
     for step in range(first_step, cfg.train.steps + 1):
         collector.step(step)
         ft.before_step(step)  # FT: progress ping (in-process), heartbeat (in-job), fault injection

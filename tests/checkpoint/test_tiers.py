@@ -1,0 +1,169 @@
+"""The memory, node-local and persistent tiers in one process (gloo, world size 1); 2-rank runs with faults are in
+tests/resiliency/test_recovery.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from trainer.checkpoint import committed_steps
+from trainer.checkpoint.policy import IntervalPolicy, young_daly_steps
+from trainer.checkpoint.slots import Slot
+
+
+def _newest_slot_files(tmp_path: Path) -> tuple[Path, Path]:
+    metas = sorted((tmp_path / "node").rglob("*.meta"), key=lambda p: torch.load(p, weights_only=True)["step"])
+    return metas[-1], metas[-1].with_suffix(".data")
+
+
+def _restart_in_process(mgr) -> None:
+    """What an in-process restart does to the manager: the attempt ends, a new process group, bind again."""
+    mgr.unbind()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mgr.bind()
+
+
+def test_respawned_worker_resumes_from_the_node_local_tier(tmp_path, pg, caplog):
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0)  # nothing reaches the disk before the end: only the node tier has it
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    expected = snapshot(state)
+    mgr.close()  # the worker dies: its snapshot files stay on the node
+    respawned = manager(tmp_path)
+    try:
+        restored = make_state(seed=7)
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            assert respawned.load_latest(restored) == 2
+        assert respawned.restored_from == "node-local" and "no checkpoint file read" in caplog.text
+        assert committed_steps(respawned.dir) == []
+        assert_equal(snapshot(restored), expected)
+        assert restored["progress"].step == 2 and restored["dataloader"].position == 4
+    finally:
+        respawned.close(job_over=True)
+
+
+def _flip(meta: Path, data: Path) -> None:
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x40
+    data.write_bytes(bytes(raw))
+
+
+def _retag(field: str, value):
+    def tamper(meta: Path, data: Path) -> None:
+        header = torch.load(meta, weights_only=True)
+        header[field] = value
+        torch.save(header, meta)
+    return tamper
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (_flip, "checksum mismatch"),
+    (_retag("job", "0" * 64), "another job"),
+    (_retag("world_size", 2), "another world size"),
+    (_retag("config_hash", "f" * 64), "another configuration"),
+])
+def test_stale_or_corrupt_node_snapshot_is_ignored_and_the_disk_is_used(tmp_path, pg, caplog, tamper, why):
+    state = make_state()
+    mgr = manager(tmp_path)  # every memory checkpoint is also persisted
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    mgr.save(2, state, last_step=True)
+    expected = snapshot(state)
+    mgr.close()
+    tamper(*_newest_slot_files(tmp_path))
+    respawned = manager(tmp_path)
+    try:
+        restored = make_state(seed=8)
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            assert respawned.load_latest(restored) == 2
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(why in w for w in warnings), warnings
+        assert respawned.restored_from == "disk"
+        assert_equal(snapshot(restored), expected)
+    finally:
+        respawned.close(job_over=True)
+
+
+def test_a_fault_while_staging_falls_back_to_the_previous_snapshot(tmp_path, pg, monkeypatch):
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0)
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    at_step_2 = snapshot(state)
+    train_step(state, 3)
+    real_ensure = Slot.ensure
+
+    def ensure_then_fail(self, *args, **kwargs):
+        real_ensure(self, *args, **kwargs)
+        raise RuntimeError("injected fault while staging")
+
+    monkeypatch.setattr(Slot, "ensure", ensure_then_fail)
+    with pytest.raises(RuntimeError, match="while staging"):
+        mgr.save(3, state)
+    monkeypatch.setattr(Slot, "ensure", real_ensure)
+    _restart_in_process(mgr)
+    restored = make_state(seed=2)
+    assert mgr.load_latest(restored) == 2 and mgr.restored_from == "memory"
+    assert_equal(snapshot(restored), at_step_2)
+    mgr.close()  # and a respawned worker falls back to the same snapshot on the node
+    respawned = manager(tmp_path)
+    try:
+        restored = make_state(seed=3)
+        assert respawned.load_latest(restored) == 2 and respawned.restored_from == "node-local"
+        assert_equal(snapshot(restored), at_step_2)
+    finally:
+        respawned.close(job_over=True)
+
+
+def test_nothing_is_left_on_the_node_when_the_job_is_over(tmp_path, pg):
+    state = make_state()
+    mgr = manager(tmp_path)
+    train_step(state, 1)
+    mgr.save(1, state, last_step=True)
+    assert list((tmp_path / "node").rglob("*.data"))
+    mgr.close(job_over=True)
+    assert not (tmp_path / "node").exists() or not any((tmp_path / "node").iterdir())
+    assert committed_steps(mgr.dir) == [1]  # the persistent tier stays
+
+
+def test_young_daly_interval():
+    assert young_daly_steps(cost_s=0.5, step_s=1.0, mtbf_s=3600) == 60
+    assert young_daly_steps(cost_s=0.02, step_s=0.5, mtbf_s=86400) == round((2 * 0.02 * 86400) ** 0.5 / 0.5)
+    assert young_daly_steps(cost_s=0.0, step_s=10.0, mtbf_s=1.0) == 1  # never below one step
+
+
+def test_auto_interval_is_chosen_from_measured_costs_and_recorded(tmp_path, pg, monkeypatch):
+    now = {"t": 0.0}
+    monkeypatch.setattr("trainer.checkpoint.policy.time.perf_counter", lambda: now["t"])
+    state = make_state()
+    mgr = manager(tmp_path, interval="auto", mtbf_s=3600.0, persist_every=0)
+    events = []
+    mgr.event_sink = lambda event, **fields: events.append((event, fields))
+    taken = []
+    try:
+        for step in range(1, 76):  # a step takes 1.0 s; a step with a snapshot 1.5 s
+            if mgr.save(step, state):
+                taken.append(step)
+                now["t"] += 0.5
+            now["t"] += 1.0
+        # Two probes (the second measures the first's cost), then Young/Daly: sqrt(2 * 0.5 s * 3600 s) / 1 s = 60.
+        assert taken == [5, 10, 70]
+        assert events == [("checkpoint_interval", {"steps": 60, "cost_s": 0.5, "step_s": 1.0, "mtbf_s": 3600.0})]
+    finally:
+        mgr.close(job_over=True)
+
+
+def test_interval_policy_fixed():
+    policy = IntervalPolicy(4, 1.0)
+    assert [s for s in range(1, 13) if policy.due(s)] == [4, 8, 12]
+    assert not any(IntervalPolicy(0, 1.0).due(s) for s in range(1, 10))

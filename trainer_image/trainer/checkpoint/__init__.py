@@ -1,0 +1,27 @@
+"""Checkpoints in three tiers: memory, node-local (``/dev/shm``) and persistent (``checkpoint.dir``).
+
+Modules mirror the design (``CHECKPOINTS.md`` describes the layout and the choices):
+
+- ``layout``: the persistent tier's on-disk format, verification, reading on any world size (no process group);
+- ``state``: the training state as flat local tensors plus per-rank state;
+- ``slots``: snapshot slots in named shared memory: the memory and node-local tiers;
+- ``writer``: the background writer of the persistent tier (NVRx ``AsyncCallsQueue``);
+- ``storage``: start-up checks of ``checkpoint.dir``, free space, retention before a save;
+- ``policy``: when a memory checkpoint is due (fixed, or Young/Daly);
+- ``manager``: ``CheckpointManager``, which composes them.
+
+Only this package and ``trainer.resiliency`` import NVRx.
+"""
+
+from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError, is_disk_full
+from trainer.checkpoint.layout import (
+    MANIFEST, ShardUnreadable, committed_steps, copy_overlap, find_valid_checkpoint, load_model_weights,
+    step_dir_name,
+)
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.writer import FAULT_ENV
+
+__all__ = [
+    "FAULT_ENV", "MANIFEST", "CheckpointError", "CheckpointManager", "CheckpointStorageError", "ShardUnreadable",
+    "committed_steps", "copy_overlap", "find_valid_checkpoint", "is_disk_full", "load_model_weights", "step_dir_name",
+]

@@ -1,0 +1,366 @@
+"""The memory and node-local tiers: snapshot slots in named shared memory.
+
+Each rank owns ``slots`` snapshot slots. A slot is one file in the job's node-local directory (``/dev/shm``, a
+memory-backed ``emptyDir`` in Kubernetes), memory-mapped and page-locked on CUDA; the device-to-host copy of a
+save lands in it directly, so staging a snapshot *is* writing the node-local tier, with no second copy:
+
+- **memory tier**: a slot counts as a snapshot of step S as soon as its copy finished on this rank; an
+  in-process restart resumes from the newest step every rank holds (agreed with one small all-gather at
+  restore time: nothing is exchanged while saving);
+- **node-local tier**: once the copy finished, a background thread computes a fast checksum (a wrapping sum of
+  the slot's 64-bit words) and writes ``<slot>.meta`` (job, rank, world size, config hash, step, layout,
+  checksum, the rank's non-tensor state) by rename. A worker respawned on the same node maps the file and
+  loads from it when every guard matches and the checksum verifies; otherwise it warns and uses the next tier.
+
+Restaging a slot first removes its ``.meta``, so a crash while staging leaves that slot invalid and the other
+slots (the newest complete snapshot is never restaged) valid. The slot a persistent write is reading is locked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
+from trainer.checkpoint.layout import Piece
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT = "resilient-train.snapshot"
+SNAPSHOT_VERSION = 1
+SNAPSHOT_DIR_ENV = "TRAINER_SNAPSHOT_DIR"
+"""Set by ``entrypoint.sh`` to a directory it creates for the job and removes when the job ends, however it ends."""
+JOB_ID_ENV = "TRAINER_JOB_ID"
+DIR_PREFIX = "resilient-train-"
+_ALIGN_BYTES = 64
+"""Every tensor starts at a multiple of this many bytes inside its slot (any dtype can view it; 8-byte words)."""
+
+Layout = dict[str, tuple[str, int, tuple[int, ...]]]
+"""key -> (dtype name, byte offset, shape)."""
+
+
+def snapshot_dir(node_local_dir: str, checkpoint_dir: Path) -> Path:
+    """This job's directory of snapshot slots on this node."""
+    if os.environ.get(SNAPSHOT_DIR_ENV):
+        return Path(os.environ[SNAPSHOT_DIR_ENV])
+    return Path(node_local_dir) / (DIR_PREFIX + job_key(checkpoint_dir)[:16])
+
+
+def job_key(checkpoint_dir: Path) -> str:
+    """Identifies the job whose snapshots these are: the launcher's job id and the checkpoint directory."""
+    job = os.environ.get(JOB_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return hashlib.sha256(f"{job}\0{Path(checkpoint_dir).resolve()}".encode()).hexdigest()
+
+
+def plan_layout(pieces: dict[str, Piece]) -> tuple[Layout, int]:
+    """Byte offsets of every local tensor inside a slot, and the slot's size (a multiple of ``_ALIGN_BYTES``)."""
+    layout: Layout = {}
+    size = 0
+    for key, piece in pieces.items():
+        numel = 1
+        for n in piece.shape:
+            numel *= n
+        layout[key] = (str(piece.dtype).removeprefix("torch."), size, tuple(piece.shape))
+        size += -(-max(numel * piece.dtype.itemsize, 1) // _ALIGN_BYTES) * _ALIGN_BYTES
+    return layout, max(size, _ALIGN_BYTES)
+
+
+def map_views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """Typed views of a slot's bytes, one per tensor (also used by the writer process on its own mapping)."""
+    views = {}
+    for key, (dtype_name, offset, shape) in layout.items():
+        dtype = getattr(torch, dtype_name)
+        numel = 1
+        for n in shape:
+            numel *= n
+        views[key] = buffer[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+    return views
+
+
+def map_file(path: Path, nbytes: int, allocate: bool = False) -> torch.Tensor:
+    """The file's bytes as a shared (MAP_SHARED) uint8 tensor. ``allocate`` creates or resizes the file and
+    reserves its pages first: on a full tmpfs that is a clear error here, where a write into an unbacked page of
+    the mapping would kill the process with SIGBUS mid-copy."""
+    if allocate:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointStorageError(
+                f"node-local snapshot directory {str(path.parent)!r} has no room for a snapshot slot "
+                f"({free / 2**30:.2f} GiB free, a slot needs {nbytes / 2**30:.2f} GiB; {os.strerror(exc.errno or 0)}): "
+                "enlarge it (the memory emptyDir's sizeLimit, docker --shm-size), lower checkpoint.memory_slots, "
+                "or point checkpoint.node_local_dir elsewhere"
+            ) from None
+        os.close(fd)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def checksum(buffer: torch.Tensor) -> int:
+    """Wrapping sum of the buffer's 64-bit words: a memory-speed (multi-threaded) check that catches stale or
+    flipped bytes. Not cryptographic; the persistent tier keeps sha256."""
+    return int(buffer.view(torch.int64).sum())
+
+
+def config_hash(config_json: str) -> str:
+    return hashlib.sha256(config_json.encode()).hexdigest()
+
+
+def _check_cuda(status: Any, what: str) -> None:
+    code = getattr(status, "value", status)
+    if code != 0:
+        raise CheckpointError(f"{what} failed with CUDA error {code} (is /dev/shm large enough for the snapshot slots?)")
+
+
+@dataclass
+class Slot:
+    """One snapshot slot of this rank."""
+
+    index: int
+    data_path: Path
+    meta_path: Path
+    buffer: torch.Tensor | None = None
+    layout: Layout = field(default_factory=dict)
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+    pinned: int = 0
+    step: int | None = None
+    """The step whose snapshot this slot holds completely on this rank (memory tier), else None."""
+    staging: int | None = None
+    """The step being copied in (CUDA: until its event completes)."""
+    event: Any = None
+    pieces: dict[str, Piece] = field(default_factory=dict)
+    payload: dict[str, Any] = field(default_factory=dict)
+    locked: bool = False
+    """A persistent write reads this slot."""
+    published: threading.Event = field(default_factory=threading.Event)
+    """Set while no node-local publication of this slot is in flight."""
+
+    def ensure(self, layout: Layout, nbytes: int, pin: bool) -> None:
+        """Map (and pin on CUDA) the slot for this layout; kept when it did not change."""
+        if self.buffer is not None and layout == self.layout and bool(self.pinned) == pin \
+                and self.buffer.numel() == nbytes:
+            return
+        self.release()
+        self.buffer = map_file(self.data_path, nbytes, allocate=True)
+        if pin:
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0), "cudaHostRegister")
+            self.pinned = self.buffer.data_ptr()
+        self.layout, self.views = layout, map_views(self.buffer, layout)
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.pinned)
+        self.buffer, self.views, self.layout, self.pinned = None, {}, {}, 0
+
+    def invalidate(self) -> None:
+        """Before restaging: the slot stops being a snapshot in every tier."""
+        self.published.wait()
+        self.step, self.staging, self.event = None, None, None
+        self.meta_path.unlink(missing_ok=True)
+
+
+class SnapshotStore:
+    """This rank's snapshot slots (memory + node-local tiers)."""
+
+    def __init__(self, directory: Path, rank: int, slots: int, job: str, config_json: str, node_local: bool) -> None:
+        self.dir, self.rank, self.job, self.node_local = directory, rank, job, node_local
+        self.config_hash = config_hash(config_json)
+        self.world_size = 1
+        self.slots = [self._slot(i) for i in range(slots)]
+        self._threads: list[threading.Thread] = []
+        self._expected_checksum: dict[int, int] = {}
+        """Slot index -> checksum its header promises, for snapshots discovered from a previous process."""
+
+    def _slot(self, index: int) -> Slot:
+        stem = f"rank-{self.rank:05d}.slot-{index}"
+        slot = Slot(index, self.dir / f"{stem}.data", self.dir / f"{stem}.meta")
+        slot.published.set()
+        return slot
+
+    def rebind(self, rank: int, world_size: int) -> None:
+        """A new attempt: the rank can only change with a new process (in-job restart), when slots are fresh."""
+        if rank != self.rank and any(s.buffer is not None for s in self.slots):
+            raise CheckpointError(f"rank changed from {self.rank} to {rank} within a process")
+        if rank != self.rank:
+            self.rank = rank
+            self.slots = [self._slot(i) for i in range(len(self.slots))]
+        self.world_size = world_size
+
+    # ---- saving ---------------------------------------------------------------------------------------------
+    def choose(self) -> Slot | None:
+        """A slot to stage into: never the newest complete snapshot, never one a persistent write reads.
+        None when every slot is taken (2 slots, a write in flight on the older one): the save is skipped."""
+        newest = self.newest()
+        free = [s for s in self.slots if not s.locked and s is not newest]
+        return min(free, key=lambda s: -1 if s.step is None else s.step) if free else None
+
+    def stage(self, slot: Slot, step: int, locals_: dict[str, torch.Tensor], pieces: dict[str, Piece],
+              payload: dict[str, Any], stream: Any) -> None:
+        """Copy this rank's tensors into ``slot`` (asynchronously on CUDA, on ``stream``)."""
+        slot.invalidate()
+        layout, nbytes = plan_layout(pieces)
+        on_cuda = any(t.is_cuda for t in locals_.values())
+        self.dir.mkdir(parents=True, exist_ok=True)
+        slot.ensure(layout, nbytes, pin=on_cuda)
+        slot.pieces, slot.payload, slot.staging = pieces, payload, step
+        if on_cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for key, src in locals_.items():
+                    slot.views[key].copy_(src.detach(), non_blocking=True)
+            slot.event = torch.cuda.Event()
+            slot.event.record(stream)
+        else:
+            for key, src in locals_.items():
+                slot.views[key].copy_(src.detach())  # also CPU-resident state (Adam step): a snapshot
+            self.complete(slot)
+
+    def staged(self) -> Slot | None:
+        return next((s for s in self.slots if s.staging is not None), None)
+
+    def complete(self, slot: Slot, wait: bool = True) -> bool:
+        """Whether the copy into ``slot`` finished (waits for it when ``wait``); a finished copy makes the slot a
+        memory-tier snapshot and starts its node-local publication in the background."""
+        if slot.staging is None:
+            return True
+        if slot.event is not None:
+            if not wait and not slot.event.query():
+                return False
+            slot.event.synchronize()
+        slot.step, slot.staging, slot.event = slot.staging, None, None
+        if self.node_local:
+            slot.published.clear()
+            thread = threading.Thread(target=self._publish, args=(slot, slot.step), name="snapshot-publish", daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+        return True
+
+    def _publish(self, slot: Slot, step: int) -> None:
+        try:
+            assert slot.buffer is not None
+            meta = {
+                "format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "job": self.job, "rank": self.rank,
+                "world_size": self.world_size, "config_hash": self.config_hash, "step": step,
+                "nbytes": slot.buffer.numel(), "checksum": checksum(slot.buffer),
+                "layout": {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()},
+                "pieces": {k: [list(p.global_shape), list(p.offset), list(p.shape), str(p.dtype).removeprefix("torch."),
+                               p.sharded] for k, p in slot.pieces.items()},
+                "payload": slot.payload,
+            }
+            partial = slot.meta_path.with_name(slot.meta_path.name + ".partial")
+            torch.save(meta, partial)
+            if slot.step == step:  # not invalidated meanwhile
+                os.replace(partial, slot.meta_path)
+            else:
+                partial.unlink(missing_ok=True)
+        except Exception as exc:  # the memory tier still holds it; only the node-local copy is missing
+            log.warning("node-local snapshot of step %d not published: %s", step, exc)
+        finally:
+            slot.published.set()
+
+    def newest(self) -> Slot | None:
+        complete = [s for s in self.slots if s.step is not None]
+        return max(complete, key=lambda s: s.step) if complete else None  # type: ignore[arg-type, return-value]
+
+    def held_steps(self) -> list[int]:
+        return sorted(s.step for s in self.slots if s.step is not None)  # type: ignore[misc]
+
+    def slot_for(self, step: int) -> Slot | None:
+        return next((s for s in self.slots if s.step == step), None)
+
+    def wait_published(self) -> None:
+        for slot in self.slots:
+            slot.published.wait()
+
+    # ---- a respawned worker: discover the node-local tier -------------------------------------------------
+    def discover(self, pieces_fn: Callable[[], dict[str, Piece]]) -> list[int]:
+        """Map the slots a previous process of this rank published; returns their steps (not yet verified).
+        A snapshot of another job, rank, world size, config or model is ignored with a warning. ``pieces_fn``
+        gives this model's pieces; it is called only when there is a header to check."""
+        if not self.node_local or any(s.buffer is not None for s in self.slots):
+            return self.held_steps()
+        headers = [slot for slot in self.slots if slot.meta_path.is_file()]
+        if not headers:
+            return []
+        pieces = pieces_fn()
+        expected, nbytes = plan_layout(pieces)
+        for slot in headers:
+            why, meta = self._read_meta(slot, expected, nbytes)
+            if why:
+                log.warning("ignoring node-local snapshot %s: %s; the next tier is used", slot.meta_path, why)
+                continue
+            slot.buffer = map_file(slot.data_path, nbytes)
+            slot.layout, slot.views = expected, map_views(slot.buffer, expected)
+            slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
+            self._expected_checksum[slot.index] = meta["checksum"]
+        return self.held_steps()
+
+    def _read_meta(self, slot: Slot, expected: Layout, nbytes: int) -> tuple[str, dict[str, Any]]:
+        try:
+            meta = torch.load(slot.meta_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable header only disqualifies this snapshot
+            return f"unreadable header ({type(exc).__name__})", {}
+        if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT or meta.get("version") != SNAPSHOT_VERSION:
+            return "not a snapshot header", {}
+        checks = [("job", self.job, "another job"), ("rank", self.rank, "another rank"),
+                  ("world_size", self.world_size, "another world size"),
+                  ("config_hash", self.config_hash, "another configuration")]
+        for key, value, what in checks:
+            if meta.get(key) != value:
+                return f"written by {what} ({key} {str(meta.get(key))[:16]} != {str(value)[:16]})", {}
+        layout = {k: (d, o, tuple(s)) for k, (d, o, s) in meta["layout"].items()}
+        if layout != expected or meta.get("nbytes") != nbytes:
+            return "its tensors differ from this model's", {}
+        if not slot.data_path.is_file() or slot.data_path.stat().st_size != nbytes:
+            return "its data file is missing or has the wrong size", {}
+        return "", meta
+
+    def verify(self, step: int) -> str:
+        """'' when this rank's snapshot of ``step`` passes its checksum (discovered snapshots only), else why not."""
+        slot = self.slot_for(step)
+        if slot is None:
+            return f"no snapshot of step {step}"
+        expected = self._expected_checksum.get(slot.index)
+        if expected is None:  # written by this process: its own memory, nothing to verify
+            return ""
+        assert slot.buffer is not None
+        actual = checksum(slot.buffer)
+        if actual != expected:
+            self.drop(slot)
+            return f"checksum mismatch in {slot.data_path} (flipped or stale bytes)"
+        self._expected_checksum.pop(slot.index)
+        return ""
+
+    def drop(self, slot: Slot) -> None:
+        """Forget a snapshot that failed verification (its files are removed)."""
+        self._expected_checksum.pop(slot.index, None)
+        slot.step = None
+        slot.meta_path.unlink(missing_ok=True)
+
+    # ---- end --------------------------------------------------------------------------------------------------
+    def close(self, remove: bool) -> None:
+        """Unmap the slots; ``remove`` deletes this rank's files (the job is over) and the directory once empty."""
+        for thread in self._threads:
+            thread.join(timeout=30)
+        for slot in self.slots:
+            slot.release()
+            if remove:
+                for path in (slot.meta_path, slot.data_path, slot.meta_path.with_name(slot.meta_path.name + ".partial")):
+                    path.unlink(missing_ok=True)
+        if remove:
+            try:
+                self.dir.rmdir()
+            except OSError:  # other ranks' files are still there, or it is gone already
+                pass

@@ -1,0 +1,83 @@
+"""The training state as flat tensors: ``model/<fqn>`` and ``optim/<fqn>/<name>`` (DTensors stay sharded: only
+this rank's local shards move), plus the per-rank non-tensor state. The same flattening is used by every tier."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.layout import MODEL_PREFIX, OPTIM_PREFIX, Piece
+
+
+def local_piece(value: torch.Tensor) -> tuple[torch.Tensor, Piece]:
+    """The local tensor of a DTensor (FSDP2: Shard(0), torch.chunk-style uneven last chunk) or a plain tensor."""
+    if isinstance(value, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        local = value.to_local()
+        if tuple(local.shape) != tuple(shape):
+            raise CheckpointError(f"DTensor local shape {tuple(local.shape)} != computed {tuple(shape)}")
+        return local, Piece(tuple(value.shape), tuple(offset), tuple(shape), value.dtype, True)
+    zeros = (0,) * value.ndim
+    return value, Piece(tuple(value.shape), zeros, tuple(value.shape), value.dtype, False)
+
+
+def flatten(state: dict[str, Any], model_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Live tensors of the model and optimizer (the same objects training updates) and the optimizer's non-tensors."""
+    if model_only:
+        return {MODEL_PREFIX + k: v for k, v in get_model_state_dict(state["model"]).items()}, {}
+    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
+    live: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model_sd.items()}
+    scalars: dict[str, Any] = {}
+    for fqn, per_param in optim_sd["state"].items():
+        for name, value in per_param.items():
+            key = f"{OPTIM_PREFIX}{fqn}/{name}"
+            if isinstance(value, torch.Tensor):
+                live[key] = value
+            else:
+                scalars[key] = value
+    groups = [dict(g) for g in optim_sd["param_groups"]]
+    return live, {"param_groups": groups, "optim_scalars": scalars}
+
+
+def local_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Piece], dict[str, Any]]:
+    """(local tensors, their pieces, the optimizer's non-tensor state) of this rank."""
+    live, extra = flatten(state)
+    locals_, pieces = {}, {}
+    for key, value in live.items():
+        locals_[key], pieces[key] = local_piece(value)
+    return locals_, pieces, extra
+
+
+def rank_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank non-tensor-shard state: step + RNG (TrainProgress), data position, fault-tolerance client state."""
+    out = {"progress": state["progress"].state_dict(), "dataloader": state["dataloader"].state_dict()}
+    if state.get("ft") is not None:  # FT: the NVRx RankMonitorClient state (learned timeouts) survives restarts
+        out["ft"] = state["ft"].state_dict()
+    return copy.deepcopy(out)
+
+
+def apply(state: dict[str, Any], live: dict[str, torch.Tensor], payload: dict[str, Any], restore_ft: bool = True) -> None:
+    """Load the filled live tensors back through the state-dict API, then the non-tensor state."""
+    model_sd = {k[len(MODEL_PREFIX) :]: v for k, v in live.items() if k.startswith(MODEL_PREFIX)}
+    _, optim_sd = get_state_dict(state["model"], state["optimizer"])
+    for key, value in live.items():
+        if key.startswith(OPTIM_PREFIX):
+            fqn, name = key[len(OPTIM_PREFIX) :].rsplit("/", 1)
+            optim_sd["state"][fqn][name] = value
+    for key, value in payload["optim_scalars"].items():
+        fqn, name = key[len(OPTIM_PREFIX) :].rsplit("/", 1)
+        optim_sd["state"][fqn][name] = value
+    for group, saved in zip(optim_sd["param_groups"], payload["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    set_state_dict(state["model"], state["optimizer"], model_state_dict=model_sd, optim_state_dict=optim_sd)
+    saved_rank_state = payload["rank_state"]
+    state["progress"].load_state_dict(saved_rank_state["progress"])
+    state["dataloader"].load_state_dict(saved_rank_state["dataloader"])
+    if restore_ft and state.get("ft") is not None and "ft" in saved_rank_state:
+        state["ft"].load_state_dict(saved_rank_state["ft"])  # FT: learned heartbeat timeouts
