@@ -101,3 +101,23 @@ def test_loss_inside_the_model_call_is_the_cross_entropy_of_its_logits():
     assert torch.equal(loss, cross_entropy(logits, targets))
     assert math.isclose(loss.item(), F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item(), rel_tol=1e-6)
     assert cross_entropy(logits.bfloat16(), targets).dtype == torch.float32
+
+
+def test_throughput_figure_takes_the_median_of_the_measured_windows(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from figures import throughput_figure
+
+    records = [{"event": "start", "world_size": 2, "model": "1b"}]
+    for step, tps in ((5, 1.0), (10, 2.0), (15, 30.0), (20, 10.0), (25, 20.0), (30, 999.0)):
+        records.append({"event": "step", "step": step, "loss": 1.0 / step, "tokens_per_s": tps, "step_time_s": 1 / tps,
+                        "mfu": None, "mem_reserved_gib": step / 10, "mem_allocated_gib": 1.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = throughput_figure(tmp_path, skip=10, until=25)
+    assert (fig["tokens_per_s"], fig["tokens_per_s_per_gpu"], fig["steps_measured"]) == (20, 10, 3)
+    assert fig["mem_reserved_gib"] == 2.5 and sorted(fig["losses"]) == [5, 10, 15, 20, 25]
+    with pytest.raises(ValueError, match="no step records after step 30"):
+        throughput_figure(tmp_path, skip=30)
