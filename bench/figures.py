@@ -1,7 +1,7 @@
 """Turn a training run directory into benchmark figures, one JSON line each.
 
-``python bench/figures.py throughput RUN_DIR [--skip 10]``: median tokens/s, tokens/s per GPU, step time and MFU
-over the logged steps after ``--skip`` warm-up steps (compilation, allocator warm-up).
+``python bench/figures.py throughput RUN_DIR [--skip 10] [--until N]``: median tokens/s, tokens/s per GPU, step time
+and MFU over the logged steps after ``--skip`` warm-up steps (compilation, allocator warm-up), peak memory, losses.
 ``python bench/figures.py recovery RUN_DIR``: every ``recovered`` record of the recovery ledger (layer, fault,
 seconds from the fault to the first productive step, steps redone) and the ledger's goodput summary.
 """
@@ -21,19 +21,31 @@ def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def throughput(run_dir: Path, skip: int) -> None:
+def throughput_figure(run_dir: Path, skip: int, until: int | None = None) -> dict:
+    """Median tokens/s, step time and MFU over the step records after ``skip`` (up to ``until``), peak memory,
+    and the logged losses (equal losses in two runs show a deterministic rerun)."""
     records = read(run_dir / "metrics.jsonl")
     start = next((r for r in records if r.get("event") == "start"), {})
-    steps = [r for r in records if r.get("event") == "step" and r["step"] > skip]
+    logged = [r for r in records if r.get("event") == "step" and (until is None or r["step"] <= until)]
+    steps = [r for r in logged if r["step"] > skip]
     if not steps:
-        sys.exit(f"{run_dir}: no step records after step {skip}")
+        raise ValueError(f"{run_dir}: no step records after step {skip}")
     world = start.get("world_size", 1)
     tps = statistics.median(r["tokens_per_s"] for r in steps)
     mfu = [r["mfu"] for r in steps if r.get("mfu") is not None]
-    emit({"figure": "throughput", "run": run_dir.name, "model": start.get("model"), "gpus": world,
-          "tokens_per_s": round(tps), "tokens_per_s_per_gpu": round(tps / world),
-          "step_time_s": round(statistics.median(r["step_time_s"] for r in steps), 4),
-          "mfu": round(statistics.median(mfu), 4) if mfu else None, "steps_measured": len(steps)})
+    mem = {k: max(r[k] for r in logged) for k in ("mem_reserved_gib", "mem_allocated_gib") if k in logged[-1]}
+    return {"figure": "throughput", "run": run_dir.name, "model": start.get("model"), "gpus": world,
+            "tokens_per_s": round(tps), "tokens_per_s_per_gpu": round(tps / world),
+            "step_time_s": round(statistics.median(r["step_time_s"] for r in steps), 4),
+            "mfu": round(statistics.median(mfu), 4) if mfu else None, "steps_measured": len(steps), **mem,
+            "losses": {r["step"]: r["loss"] for r in logged}}
+
+
+def throughput(run_dir: Path, skip: int, until: int | None = None) -> None:
+    try:
+        emit(throughput_figure(run_dir, skip, until))
+    except ValueError as exc:
+        sys.exit(str(exc))
 
 
 def recovery(run_dir: Path) -> None:
@@ -55,9 +67,10 @@ def main() -> None:
     parser.add_argument("kind", choices=("throughput", "recovery"))
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--until", type=int, default=None, help="throughput: ignore step records after this step")
     args = parser.parse_args()
     if args.kind == "throughput":
-        throughput(args.run_dir, args.skip)
+        throughput(args.run_dir, args.skip, args.until)
     else:
         recovery(args.run_dir)
 

@@ -143,6 +143,9 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    implementation: str = "auto"
+    """AdamW kernel: ``auto`` (``fused`` on GPU, ``for_loop`` on CPU), ``fused`` (one multi-tensor CUDA kernel),
+    ``foreach`` or ``for_loop`` (one parameter at a time: bit-identical between runs and world sizes on CPU)."""
 
     def validate(self) -> None:
         _positive(self, "optim", ("lr", "eps"))
@@ -153,6 +156,7 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optim.{name} must be in [0, 1); got {getattr(self, name)}")
+        _choice(self, "optim", "implementation", ("auto", "fused", "foreach", "for_loop"))
 
 
 @dataclass
@@ -170,7 +174,13 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     compile: bool = False
-    """``torch.compile`` each transformer block."""
+    """``torch.compile`` each transformer block (and, with ``compile_loss``, the final norm and the loss)."""
+    compile_loss: bool = True
+    """With ``compile``: also compile the final RMSNorm and the cross-entropy (the fp32 upcast is fused into the
+    softmax, so no fp32 copy of the ``[tokens, vocab]`` logits is made); off leaves both eager."""
+    reshard_after_forward: str = "auto"
+    """FSDP2: free each block's gathered parameters after its forward and gather them again for the backward.
+    ``auto``: only with more than one rank (with one there is nothing to save); ``always``; ``never``."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1
@@ -179,13 +189,19 @@ class TrainConfig:
     """Intra-op threads per process on CPU; 0 = cores / local ranks."""
     deterministic: bool = True
     """Use deterministic algorithms (bit-identical reruns on CPU)."""
+    gc_every: int = 50
+    """Python's automatic garbage collection is off during the step loop (a collection can stall any step);
+    a young-generation collection runs every N steps instead. 0 keeps automatic collection."""
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "log_every"))
         _choice(self, "train", "device", ("auto", "cpu", "cuda"))
         _choice(self, "train", "mixed_precision", ("auto", "bf16", "fp32"))
+        _choice(self, "train", "reshard_after_forward", ("auto", "always", "never"))
         if self.cpu_threads < 0:
             raise ConfigError(f"train.cpu_threads must be >= 0 (0 = automatic); got {self.cpu_threads}")
+        if self.gc_every < 0:
+            raise ConfigError(f"train.gc_every must be >= 0 (0 = automatic collection); got {self.gc_every}")
 
 
 @dataclass

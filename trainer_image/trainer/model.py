@@ -15,15 +15,15 @@ from trainer.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """``F.rms_norm``: one fused kernel on GPU, fp32 arithmetic inside whatever the input dtype."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -34,14 +34,12 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles."""
+    """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles: one
+    complex multiplication in fp32 (a single kernel in eager mode)."""
     seq = x.shape[1]
-    cos = tables[:seq, :, 0].view(1, seq, 1, -1)
-    sin = tables[:seq, :, 1].view(1, seq, 1, -1)
-    x32 = x.float().unflatten(-1, (-1, 2))
-    even, odd = x32[..., 0], x32[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    rotation = torch.view_as_complex(tables[:seq].float()).view(1, seq, 1, -1)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -92,8 +90,18 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype. Compiled (``train.compile``),
+    the upcast is fused into the softmax reduction: no fp32 copy of the ``[tokens, vocab]`` logits is made."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
 class Transformer(nn.Module):
-    """Decoder-only language model. ``forward(tokens) -> logits`` (``[batch, seq, vocab]``)."""
+    """Decoder-only language model. ``forward(tokens) -> logits`` (``[batch, seq, vocab]``);
+    ``forward(tokens, targets) -> loss``: the logits then live only inside the call."""
+
+    loss_fn = staticmethod(cross_entropy)
+    """Replaced by its compiled version when ``train.compile`` is on (``parallel.apply_fsdp``)."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
@@ -127,11 +135,12 @@ class Transformer(nn.Module):
                 rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
             )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        logits = self.output(self.norm(h))
+        return logits if targets is None else self.loss_fn(logits, targets)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

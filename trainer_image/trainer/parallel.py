@@ -142,21 +142,36 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
     if mode == "auto":
         mode = "bf16" if device.type == "cuda" else "fp32"
     if mode == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # No cast of forward inputs: the activations are bf16 already (the embedding's output), and the fp32
+        # RoPE tables passed to every block must stay fp32.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 per block, then root."""
+    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 units: each block, the
+    embedding, [final norm, output], and the root.
+
+    Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
+    instead of running with the root's. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
+    keeps the checkpoint's DTensor layout), but by default (``train.reshard_after_forward=auto``) nothing is
+    resharded after the forward: the bf16 copies are kept for the backward rather than cast again.
+    """
     policy = mixed_precision(cfg, device)
+    reshard = {"auto": dist.get_world_size() > 1, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
             block = torch.compile(block)
-        # The last block's parameters are needed again right away by the root's backward; keep them.
-        fully_shard(block, mp_policy=policy, reshard_after_forward=idx < len(layers) - 1)
+        # The last block's parameters are needed again right away by the backward; keep them.
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
+    if cfg.compile and cfg.compile_loss:
+        model.norm = torch.compile(model.norm)  # type: ignore[assignment]
+        model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
+    fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
     fully_shard(model, mp_policy=policy)
     return model

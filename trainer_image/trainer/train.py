@@ -7,6 +7,7 @@ restores the latest state and runs steps until ``train.steps``.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from trainer import parallel, resiliency
@@ -106,8 +106,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: the per-parameter path is bit-identical between runs and world sizes on CPU.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             **kernel[adamw_implementation(cfg, next(model.parameters()).device)])
+
+
+def adamw_implementation(cfg: OptimConfig, device: torch.device) -> str:
+    """``auto``: the fused CUDA kernel on GPU (elementwise, so reruns stay deterministic); on CPU the
+    per-parameter loop, whose results are bit-identical between runs and world sizes."""
+    if cfg.implementation != "auto":
+        return cfg.implementation
+    return "fused" if device.type == "cuda" else "for_loop"
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -166,7 +175,36 @@ def train(
     return summary
 
 
-def _loop(
+class GarbageCollection:
+    """Python's automatic collector off for the loop, a young-generation collection every ``every`` steps
+    instead (as torchtitan does): an automatic collection can land in any step and stall it. 0: left alone."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.was_enabled = gc.isenabled()
+
+    def __enter__(self) -> "GarbageCollection":
+        if self.every:
+            gc.disable()
+            gc.collect(1)
+        return self
+
+    def step(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            gc.collect(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.every and self.was_enabled:
+            gc.enable()
+
+
+def _loop(res: Resources, *args: Any) -> dict[str, Any]:
+    """The step loop (``_steps``) under the garbage-collection policy of ``train.gc_every``."""
+    with GarbageCollection(res.cfg.train.gc_every) as collector:
+        return _steps(res, *args, collector=collector)
+
+
+def _steps(
     res: Resources,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -175,6 +213,7 @@ def _loop(
     checkpointer: CheckpointManager,
     state: dict[str, Any],
     ft: resiliency.Layers,
+    collector: GarbageCollection,
 ) -> dict[str, Any]:
     cfg, env, device = res.cfg, res.env, res.device
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * env.world_size
@@ -192,13 +231,13 @@ def _loop(
     t_last, steps_since_log = time.perf_counter(), 0
     ft.on_loop_start(progress.step, checkpointer.restored_from)  # FT: ledger: start, or which layer restarted us
     for step in range(first_step, cfg.train.steps + 1):
+        collector.step(step)
         ft.before_step(step)  # FT: progress ping (in-process), heartbeat (in-job), fault injection
         lr = lr_at(step, cfg.optim, cfg.train.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        loss = model(inputs, targets)  # the logits die inside: none stay alive into the next forward
         loss.backward()
         grad_norm = None
         if cfg.optim.grad_clip > 0:
@@ -226,6 +265,7 @@ def _loop(
                     "step_time_s": step_time,
                     "tokens_per_s": tokens_per_step / step_time,
                     "mfu": flops_per_step / step_time / (peak * env.world_size) if peak else None,
+                    **_peak_memory(device),
                 }
             )
         with ft.atomic():  # FT: an in-process restart never interrupts a checkpoint commit
@@ -244,6 +284,14 @@ def _loop(
     if env.is_main:
         (Path(cfg.train.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak device memory of this rank so far, in GiB (CUDA only; no host sync)."""
+    if device.type != "cuda":
+        return {}
+    return {"mem_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
+            "mem_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
 
 
 def _to_float(value: torch.Tensor | None) -> float | None:
