@@ -32,3 +32,25 @@ def torchrun(
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def release_probe(script: Path, arg: Path, blocked_message: str, timeout: float = 100) -> str:
+    """Run a 2-rank probe script under torchrun (rank 1 leaves a group while rank 0 is blocked in it) and return
+    rank 0's ``rank0: ...`` line; fails the test with ``blocked_message`` when rank 0 stays blocked."""
+    import signal
+
+    import pytest
+
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script), str(arg)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'trainer_image'}{os.pathsep}{REPO}"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{blocked_message}:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    return next((line for line in out.splitlines() if line.startswith("rank0:")), "") + "\n" + out[-3000:]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from trainer import parallel
-from trainer.config import TrainConfig
 
 done = Path(sys.argv[1])
 env = parallel.DistEnv.from_environ()
@@ -20,7 +20,7 @@ parallel.init_process_group(torch.device("cpu"), env, timeout_s=120)
 class Blocks(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))  # apply_fsdp shards each
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -28,7 +28,10 @@ class Blocks(torch.nn.Module):
         return x
 
 
-model = parallel.apply_fsdp(Blocks(), TrainConfig(device="cpu"), torch.device("cpu"))
+model = Blocks()
+for layer in model.layers:
+    fully_shard(layer)
+fully_shard(model)
 model(torch.randn(2, 64)).sum().backward()
 dist.barrier()
 if env.rank == 1:
