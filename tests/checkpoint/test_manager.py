@@ -221,3 +221,22 @@ def test_uneven_chunks_reassemble_on_any_world_size():
             covered = sum(copy_overlap(dst, (d_off, 0), s, (o, 0), tuple(s.shape)) for s, o in zip(src, offsets))
             assert covered == dst.numel()
         assert torch.equal(torch.cat(dst_chunks), full)
+
+
+def test_a_killed_writer_process_is_not_a_storage_error(tmp_path, pg, monkeypatch, caplog):
+    """The OOM killer, or a preemption's SIGTERM to the whole process group while the writer is still starting:
+    the shard is written again in the trainer process and the checkpoint commits."""
+    monkeypatch.setenv(FAULT_ENV, "slow_write:5")
+    state = make_state()
+    mgr = manager(tmp_path)
+    try:
+        train_step(state, 1)
+        mgr.save(1, state)
+        mgr.writer._queue.persistent_caller.process.kill()
+        train_step(state, 2)
+        mgr.save(2, state, last_step=True)
+        assert committed_steps(mgr.dir) == [1, 2]
+        assert "writing step 1's shard again in this process" in caplog.text
+        assert load_model_weights(mgr.dir, step=1).keys()
+    finally:
+        mgr.close(job_over=True)

@@ -61,6 +61,7 @@ class _Persist:
     report: dict[str, Any] | None = None
     abandoned: bool = False
     """Left by an attempt whose ranks did not all hold it: its write finishes in the background, unused."""
+    retried: bool = False
 
 
 class CheckpointManager:
@@ -320,6 +321,17 @@ class CheckpointManager:
         assert persist is not None
         if persist.report is None and persist.submitted:
             persist.report = self.writer.poll(blocking)
+            if persist.report is not None and persist.report.get("writer_died") and not persist.retried \
+                    and not persist.abandoned:
+                # FT: the writer process was killed (OOM killer, a SIGTERM to the process group while it was
+                # starting up): not a storage error. Write this shard once more, here, synchronously.
+                log.warning("%s; writing step %d's shard again in this process", persist.report["error"], persist.step)
+                persist.retried, persist.report = True, None
+                slot = persist.slot
+                assert slot.buffer is not None
+                self.writer.submit(slot.data_path, slot.buffer.numel(), slot.layout, slot.payload,
+                                   persist.tmp_dir / persist.file, "", inline=True)
+                persist.report = self.writer.poll(blocking=True)
         return persist.report is not None
 
     def _poll_persist(self, blocking: bool) -> None:

@@ -211,7 +211,8 @@ class Writer:
                 code = self._queue.persistent_caller.process.exitcode  # type: ignore[union-attr]
                 self.stop(graceful=False)
                 self.busy = False
-                return {"ok": False, "error": f"the checkpoint writer process died (exit code {code})"}
+                return {"ok": False, "writer_died": True,
+                        "error": f"the checkpoint writer process died (exit code {code})"}
             if not blocking:
                 return None
             time.sleep(_POLL_S)
