@@ -185,3 +185,20 @@ def test_checksum_computed_from_the_staged_tensors_equals_the_slot_checksum():
     assert checksum(buffer) == int(device_checksum(tensors))
     buffer[layout["t1"][1]] ^= 1  # one flipped bit
     assert checksum(buffer) != int(device_checksum(tensors))
+
+
+def test_slots_are_reserved_in_the_background_before_the_first_save(tmp_path, pg, caplog):
+    state = make_state()
+    mgr = manager(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+            mgr.load_latest(state)  # starts the reservation
+            mgr.snapshots._prepared.join()
+        assert "not prepared" not in caplog.text
+        assert all(slot.buffer is not None for slot in mgr.snapshots.slots)
+        train_step(state, 1)
+        sizes = [slot.buffer.numel() for slot in mgr.snapshots.slots]
+        mgr.save(1, state)
+        assert [slot.buffer.numel() for slot in mgr.snapshots.slots] == sizes  # the first save reuses them
+    finally:
+        mgr.close(job_over=True)

@@ -246,6 +246,7 @@ class SnapshotStore:
 
         def run() -> None:
             try:
+                self.dir.mkdir(parents=True, exist_ok=True)
                 if pin:
                     torch.cuda.set_device(device)  # pinned for this rank's GPU context
                 for slot in self.slots:
