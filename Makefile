@@ -47,7 +47,7 @@ compile: setup
 # bench/gpu_suite.sh on a CUDA host (see BENCHMARKS.md).
 bench: setup
 	PYTHONPATH=.:trainer_image OMP_NUM_THREADS=2 $(PY) bench/checkpoint_bench.py --config tiny \
-		--model.vocab_size=2048 --saves 3 --steps 20 --every 5
+		--steps 20 --every 5 --persist-every 2 --model.vocab_size=2048
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

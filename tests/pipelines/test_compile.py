@@ -224,6 +224,6 @@ def test_make_bench_runs_the_documented_benchmark():
     dry = make("-n", "bench")
     assert dry.returncode == 0, dry.stderr
     command = " ".join(dry.stdout.replace("\\\n", " ").split())
-    documented = "bench/checkpoint_bench.py --config tiny --model.vocab_size=2048 --saves 3 --steps 20 --every 5"
+    documented = "bench/checkpoint_bench.py --config tiny --steps 20 --every 5 --persist-every 2 --model.vocab_size=2048"
     assert documented in command and documented in (REPO / "BENCHMARKS.md").read_text()
     assert (REPO / "bench" / "checkpoint_bench.py").is_file()
