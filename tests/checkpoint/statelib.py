@@ -82,3 +82,13 @@ def manager(tmp_path: Path, **kw) -> CheckpointManager:
     mgr = CheckpointManager(cfg, tmp_path / "ckpt", DistEnv(0, 1, 0, 1), config_json=json.dumps({"test": True}))
     mgr.bind()
     return mgr
+
+
+def save_two_steps(mgr: CheckpointManager, state: dict) -> dict[str, torch.Tensor]:
+    """Train and save steps 1 and 2; returns the state at step 1 (what a fallback from a bad step 2 restores)."""
+    train_step(state, 1)
+    mgr.save(1, state)
+    at_step_1 = snapshot(state)
+    train_step(state, 2)
+    mgr.save(2, state)
+    return at_step_1

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from statelib import assert_equal, disk_only, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from statelib import (  # noqa: F401 - pg
+    assert_equal, disk_only, make_state, manager, pg, save_two_steps, snapshot, train_step,
+)
 from trainer.checkpoint import (
     FAULT_ENV, MANIFEST, CheckpointError, CheckpointStorageError, committed_steps, copy_overlap, load_model_weights,
     step_dir_name,
@@ -96,11 +98,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, pg, caplog, corrupt, re
     state = make_state()
     mgr = manager(tmp_path, async_save=False)
     try:
-        train_step(state, 1)
-        mgr.save(1, state)
-        step1 = snapshot(state)
-        train_step(state, 2)
-        mgr.save(2, state)
+        step1 = save_two_steps(mgr, state)
         corrupt(mgr.dir / step_dir_name(2))
         disk_only(mgr)
         restored = make_state(seed=3)

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from statelib import make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from statelib import (  # noqa: F401 - pg
+    assert_equal, disk_only, make_state, manager, pg, save_two_steps, snapshot, train_step,
+)
 from trainer.checkpoint import (
     MANIFEST, CheckpointError, CheckpointStorageError, committed_steps, find_valid_checkpoint, is_disk_full,
     load_model_weights, step_dir_name,
@@ -190,25 +192,19 @@ def test_a_shard_weights_only_refuses_is_quarantined_and_the_previous_one_used(t
     state = make_state()
     mgr = manager(tmp_path, async_save=False)
     try:
-        train_step(state, 1)
-        mgr.save(1, state)
-        at_step_1 = snapshot(state)
-        train_step(state, 2)
-        mgr.save(2, state)
+        at_step_1 = save_two_steps(mgr, state)
         content = _pickle_with_code(marker, tmp_path) if kind == "pickle-with-code" else b"\x00raw bytes" * 1000
         _replace_newest_shard(mgr.dir, content)
         # Evaluation (read-only): skips it with a warning, changes nothing.
         step_dir, _ = find_valid_checkpoint(mgr.dir)
         assert step_dir.name == "step-00000001" and (mgr.dir / "step-00000002").is_dir()
-        for slot in mgr.snapshots.slots:
-            mgr.snapshots.drop(slot)  # a new node: only the disk
+        disk_only(mgr)
         restored = make_state(seed=4)
         assert mgr.load_latest(restored) == 1
         assert (mgr.dir / "step-00000002.corrupt-unloadable").is_dir()
         errors = " ".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
         assert "weights_only=False" not in errors.replace("never be loaded with weights_only=False", "")
         assert not marker.exists()  # the code in the pickle never ran
-        from statelib import assert_equal
         assert_equal(snapshot(restored), at_step_1)
     finally:
         mgr.close(job_over=True)
@@ -221,8 +217,7 @@ def test_no_loadable_checkpoint_left_is_exit_4(tmp_path, pg):
         train_step(state, 1)
         mgr.save(1, state)
         _replace_newest_shard(mgr.dir, pickle.dumps({"x": 1}))
-        for slot in mgr.snapshots.slots:
-            mgr.snapshots.drop(slot)
+        disk_only(mgr)
         with pytest.raises(CheckpointError, match="unloadable") as err:
             mgr.load_latest(make_state())
         assert classify(err.value) == ExitCode.CHECKPOINT_ERROR

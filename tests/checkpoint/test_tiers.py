@@ -138,7 +138,7 @@ def test_nothing_is_left_on_the_node_when_the_job_is_over(tmp_path, pg):
 
 def test_young_daly_interval():
     assert young_daly_steps(cost_s=0.5, step_s=1.0, mtbf_s=3600) == 60
-    assert young_daly_steps(cost_s=0.02, step_s=0.5, mtbf_s=86400) == round((2 * 0.02 * 86400) ** 0.5 / 0.5)
+    assert young_daly_steps(cost_s=0.02, step_s=0.5, mtbf_s=86400) == 118  # sqrt(3456) = 58.8 s of 0.5 s steps
     assert young_daly_steps(cost_s=0.0, step_s=10.0, mtbf_s=1.0) == 1  # never below one step
 
 

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.config import KINDS, ConfigError, FaultSpec, parse_faults  # noqa: F401 - re-exported
+from trainer.exitcodes import ENTRYPOINT_PID_ENV
 
 log = logging.getLogger(__name__)
 
 MARKER_DIR = "faults"
-ENTRYPOINT_PID_ENV = "TRAINER_ENTRYPOINT_PID"  # exported by entrypoint.sh
 _CORRUPT_BYTES = 4096
 
 

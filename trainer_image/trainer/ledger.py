@@ -13,8 +13,9 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
 ``{"event": "exit", "code", "name", "reason"}``
     Every rank whose process ends with a non-zero code (``trainer.cli``, and the SIGTERM paths of
     ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause.
-``{"event": "restart", "layer", "resumed_step", "fault"}``
-    Every rank, when training starts again after a fault (``pid`` shows whether the process survived): ``layer`` is the layer that recovered it:
+``{"event": "restart", "layer", "resumed_step", "tier", "fault"}``
+    Every rank, when training starts again after a fault (``pid`` shows whether the process survived); ``tier`` is
+    the checkpoint tier it resumed from (``memory``, ``node-local``, ``disk``, or null). ``layer`` is the layer that recovered it:
     ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes started by
     ft_launcher, attempt > 0) or ``cluster`` (a new launcher: pod restart or pipeline retry, resuming from
     a checkpoint). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
@@ -167,7 +168,6 @@ class Ledger:
                   and r["fault"]["time"] == last["time"]):
                 last = None
         return last
-
 
     def _uninjected_cause(self, layer: str) -> dict[str, Any]:
         """The cause of a restart no injected fault explains, as far as this attempt can know it."""

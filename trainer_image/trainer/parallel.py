@@ -124,7 +124,8 @@ def _socket_inodes(fds: list[int] | None = None) -> dict[int, str]:
 def _is_store_connection(fd: int) -> bool:
     """A TCPStore connection (the launcher's or the in-process layer's, on MASTER_PORT and the next ports) must
     never be shut down; gloo's peer connections use ephemeral ports."""
-    store_ports = {int(os.environ.get("MASTER_PORT", "0")) + i for i in range(4)} - {0, 1, 2, 3}
+    master_port = int(os.environ.get("MASTER_PORT", "0"))
+    store_ports = {master_port + i for i in range(4)} if master_port else set()  # the agent's, +1, +2 (resiliency)
     sock = socket.socket(fileno=fd)
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6):

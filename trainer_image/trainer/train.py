@@ -161,7 +161,6 @@ def train(
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
         # (which cannot be aborted) is released at once instead of at the collective timeout, and the in-process
         # restart beats the in-job one. NCCL is left to the in-process layer's abort (see below).
-        checkpointer.unbind()
         if parallel.backend_for(device) == "gloo":
             parallel.abort_process_group()
         raise
@@ -170,7 +169,6 @@ def train(
     # FT: only a clean finish destroys the process group here. After a fault the in-process layer aborts and
     # destroys it; destroying a NCCL group while a peer is blocked in a collective hangs this rank before the
     # Wrapper hears of the fault (seen on H200: the peer then waited for the soft timeout).
-    checkpointer.job_over = True
     parallel.destroy_process_group()
     return summary
 

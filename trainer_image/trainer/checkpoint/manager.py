@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -95,8 +96,6 @@ class CheckpointManager:
         self.last_committed: int | None = None
         self.blocking_s: list[float] = []
         """Seconds the training loop was blocked by each memory checkpoint (staging, plus the write when synchronous)."""
-        self.job_over = False
-        """Set when training finished: ``close()`` then removes the node-local snapshots."""
         self.event_sink: Callable[..., None] = lambda event, **fields: None
         """Where decisions worth recording go (the recovery ledger): ``event_sink(event, **fields)``."""
         atexit.register(self.close)
@@ -157,7 +156,7 @@ class CheckpointManager:
             log.warning("checkpoint step %d was not committed before close(); it is abandoned", self._persist.step)
         self._persist = None
         self.writer.stop(graceful=True)
-        self.snapshots.close(remove=job_over or self.job_over)
+        self.snapshots.close(remove=job_over)
 
     # ---- the loop's interface -----------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], last_step: bool = False, force: bool = False) -> bool:
@@ -197,7 +196,7 @@ class CheckpointManager:
         if slot.event is None or final or not self.cfg.async_save:
             self._complete_staging()
         if final or not self.cfg.async_save:
-            self._finish_persist()
+            self._drain_persist()
         self.blocking_s.append(time.perf_counter() - started)
         interval = self.policy.snapshot_taken(step, step_s, cost_s)
         if interval is not None:
@@ -246,17 +245,10 @@ class CheckpointManager:
         return step
 
     def _prepare_slots(self, state: dict[str, Any]) -> None:
-        """Reserve the snapshot slots in the background now (size predicted from the model: the optimizer may have
-        no state yet, and creating it here would change a fresh run), so the first memory checkpoint is cheap."""
-        if self.snapshots.prepared_once:
-            return
-        self.snapshots.prepared_once = True
+        """Reserve the snapshot slots in the background now, so the first memory checkpoint is cheap."""
         model = [local_piece(v) for v in flatten(state, model_only=True)[0].values()]
         device = next((t.device for t, _ in model if t.is_cuda), torch.device("cpu"))
-        # Each parameter, AdamW's two fp32 moments and its step, each 64-byte aligned: never less than staging needs.
-        nbytes = sum(_aligned(p.dtype.itemsize * _numel(p.shape)) + 2 * _aligned(4 * _numel(p.shape)) + _aligned(8)
-                     for _, p in model)
-        self.snapshots.prepare(nbytes, device)
+        self.snapshots.prepare(_predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
 
     # ---- memory checkpoints ----------------------------------------------------------------------------------
     def _agree(self, step: int) -> tuple[bool, bool, float, float]:
@@ -311,7 +303,7 @@ class CheckpointManager:
         if self.rank == 0:
             problem = storage.make_room(self.dir, self._save_bytes)  # FT: retention frees space before a save
             if problem:
-                persist.report = {"ok": False, "errno": 28, "error": problem}
+                persist.report = {"ok": False, "errno": errno.ENOSPC, "error": problem}
                 return
         self.writer.submit(slot.data_path, slot.buffer.numel(), slot.layout, slot.payload,
                            persist.tmp_dir / persist.file, test_fault(persist.step), inline=inline)
@@ -361,10 +353,6 @@ class CheckpointManager:
             if not self._persist.submitted:
                 self._complete_staging()
             self._poll_persist(blocking=True)
-
-    def _finish_persist(self) -> None:
-        if self._persist is not None:
-            self._drain_persist()
 
     def _persist_final(self, slot: Slot) -> None:
         """The final save of a snapshot already in memory: commit it to disk (synchronously)."""
@@ -458,13 +446,11 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _estimate_save_bytes(self, state: dict[str, Any]) -> int:
-        """The bytes of one persistent checkpoint, summed over ranks. Before the optimizer has state (it must not be
-        initialised here: that would change a fresh run), AdamW's two moments are counted as twice the model."""
-        model = {k: local_piece(v)[1] for k, v in flatten(state, model_only=True)[0].items()}
-        model_bytes = sum(p.dtype.itemsize * _numel(p.shape) for p in model.values())
-        mine = model_bytes + 2 * sum(4 * _numel(p.shape) for p in model.values())
+        """The bytes of one persistent checkpoint, summed over ranks (exact once the optimizer has state)."""
         if state["optimizer"].state:
             mine = sum(p.dtype.itemsize * _numel(p.shape) for p in local_tensors(state)[1].values())
+        else:
+            mine = _predicted_bytes([local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()], 1)
         return int(sum(self._all_gather(mine)))
 
     # ---- loading (collective) ---------------------------------------------------------------------------------
@@ -612,8 +598,17 @@ class CheckpointManager:
             dist.barrier(group=self._group)
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-max(nbytes, 1) // 64) * 64
+_SLOT_ALIGN = 64  # slots.plan_layout's alignment
+
+
+def _predicted_bytes(model: list[Piece], align: int) -> int:
+    """This rank's state predicted from the model alone (the optimizer may have no state yet, and creating it
+    here would change a fresh run): each parameter, AdamW's two fp32 moments and its step, each ``align``ed."""
+    def aligned(nbytes: int) -> int:
+        return -(-max(nbytes, 1) // align) * align
+
+    return sum(aligned(p.dtype.itemsize * _numel(p.shape)) + 2 * aligned(4 * _numel(p.shape)) + aligned(8)
+               for p in model)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

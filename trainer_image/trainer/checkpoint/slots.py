@@ -180,7 +180,7 @@ class Slot:
     def reserve(self, nbytes: int, pin: bool, keep_content: bool = False) -> None:
         """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
         done ahead of it by ``SnapshotStore.prepare``. A mapped slot (a discovered snapshot) is pinned in place."""
-        if self.buffer is not None and self.buffer.numel() >= nbytes and (bool(self.pinned) == pin or pin):
+        if self.buffer is not None and self.buffer.numel() >= nbytes and (pin or not self.pinned):
             if pin and not self.pinned:
                 self._pin()
             return
@@ -219,9 +219,9 @@ class SnapshotStore:
         self.slots = [self._slot(i) for i in range(slots)]
         self._threads: list[threading.Thread] = []
         self._expected_checksum: dict[int, int] = {}
-        self._prepared: threading.Thread | None = None
-        self.prepared_once = False
         """Slot index -> checksum its header promises, for snapshots discovered from a previous process."""
+        self._prepared: threading.Thread | None = None
+        self._prepare_started = False
 
     def _slot(self, index: int) -> Slot:
         stem = f"rank-{self.rank:05d}.slot-{index}"
@@ -242,6 +242,9 @@ class SnapshotStore:
     def prepare(self, nbytes: int, device: torch.device) -> None:
         """Reserve every slot (at least ``nbytes``, pinned on CUDA) in a background thread while training starts,
         so no save pays for the allocation; a save waits for it only if it comes first."""
+        if self._prepare_started:  # once per process: in-process restarts keep the slots
+            return
+        self._prepare_started = True
         pin = device.type == "cuda"
 
         def run() -> None:
@@ -295,14 +298,12 @@ class SnapshotStore:
     def staged(self) -> Slot | None:
         return next((s for s in self.slots if s.staging is not None), None)
 
-    def complete(self, slot: Slot, wait: bool = True) -> bool:
-        """Whether the copy into ``slot`` finished (waits for it when ``wait``); a finished copy makes the slot a
-        memory-tier snapshot and starts its node-local publication in the background."""
+    def complete(self, slot: Slot) -> None:
+        """Wait for the copy into ``slot``: it becomes a memory-tier snapshot, and its node-local publication
+        starts in the background."""
         if slot.staging is None:
-            return True
+            return
         if slot.event is not None:
-            if not wait and not slot.event.query():
-                return False
             slot.event.synchronize()
             if slot.pending_checksum is not None and self.node_local:
                 slot.checksum = int(slot.pending_checksum)
@@ -312,7 +313,6 @@ class SnapshotStore:
             thread = threading.Thread(target=self._publish, args=(slot, slot.step), name="snapshot-publish", daemon=True)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
-        return True
 
     def _publish(self, slot: Slot, step: int) -> None:
         try:
@@ -323,8 +323,6 @@ class SnapshotStore:
                 "nbytes": slot.buffer.numel(),
                 "checksum": slot.checksum if slot.checksum is not None else checksum(slot.buffer),
                 "layout": {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()},
-                "pieces": {k: [list(p.global_shape), list(p.offset), list(p.shape), str(p.dtype).removeprefix("torch."),
-                               p.sharded] for k, p in slot.pieces.items()},
                 "payload": slot.payload,
             }
             partial = slot.meta_path.with_name(slot.meta_path.name + ".partial")
@@ -347,10 +345,6 @@ class SnapshotStore:
 
     def slot_for(self, step: int) -> Slot | None:
         return next((s for s in self.slots if s.step == step), None)
-
-    def wait_published(self) -> None:
-        for slot in self.slots:
-            slot.published.wait()
 
     # ---- a respawned worker: discover the node-local tier -------------------------------------------------
     def discover(self, pieces_fn: Callable[[], dict[str, Piece]]) -> list[int]:
