@@ -34,9 +34,10 @@ def torchrun(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
-def release_probe(script: Path, arg: Path, blocked_message: str, timeout: float = 100) -> str:
-    """Run a 2-rank probe script under torchrun (rank 1 leaves a group while rank 0 is blocked in it) and return
-    rank 0's ``rank0: ...`` line; fails the test with ``blocked_message`` when rank 0 stays blocked."""
+def torchrun_probe(script: Path, arg: Path, blocked_message: str, timeout: float = 100) -> str:
+    """Run a 2-rank probe script under torchrun and return rank 0's ``rank0: ...`` line, then the output's tail;
+    fails the test with ``blocked_message`` when the ranks are still blocked at ``timeout``. (The release probes:
+    rank 1 leaves a group while rank 0 is blocked in it.)"""
     import signal
 
     import pytest

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from testlib import REPO, torchrun_probe
 from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
 from trainer.checkpoint import committed_steps
 from trainer.checkpoint.policy import IntervalPolicy, young_daly_steps
@@ -202,3 +203,13 @@ def test_slots_are_reserved_in_the_background_before_the_first_save(tmp_path, pg
         assert [slot.buffer.numel() for slot in mgr.snapshots.slots] == sizes  # the first save reuses them
     finally:
         mgr.close(job_over=True)
+
+
+@pytest.mark.multiprocess
+def test_a_snapshot_only_some_ranks_hold_is_forgotten_after_the_restore(tmp_path):
+    """Rank 0 kept a node-local snapshot of step 8 that rank 1 lost; both resume from step 4 and save step 8 again
+    together (before the fix rank 0 skipped the save's collective and both hung until the coordination timeout)."""
+    out = torchrun_probe(REPO / "tests" / "checkpoint" / "diverged_snapshots.py", tmp_path,
+                         "the ranks hung in the save of step 8 after the restore")
+    line = out.splitlines()[0]
+    assert line.startswith("rank0: held after restore [4]; saved step 8 on both ranks") and line.endswith("[4, 8]"), out

@@ -175,7 +175,8 @@ def test_lost_rank_monitor_exits_launcher_lost_after_one_attempt(tmp_path, tiny_
     exits = [r for r in read(run_dir / "recovery.jsonl") if r["event"] == "exit"]
     assert "LAUNCHER_LOST" in {r["name"] for r in exits}
     assert len(exits) == len({r["rank"] for r in exits}), "the rank that lost its monitor was not re-stopped"
-    assert re.search(r"workers' codes \(attempt 0\): (204 143|143 204)", out), out[-2000:]
+    # The other rank: stopped by the launcher (143), or ended first by its own broken collective (203).
+    assert re.search(r"workers' codes \(attempt 0\): (204 (143|203)|(143|203) 204)", out), out[-2000:]
     assert snapshot(tiny_dataset) == before
 
 

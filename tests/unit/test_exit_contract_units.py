@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from testlib import REPO
+from trainer import exitcodes
 from trainer.exitcodes import (
     ENTRYPOINT_PID_ENV,
     EXIT_CODE_DIR_ENV,
@@ -93,15 +94,64 @@ def test_record_exit_signals_the_entrypoint_only_for_job_ending_codes(tmp_path, 
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
         heard: list[tuple[int, str]] = []
         with on_exit(lambda code, reason: heard.append((code, reason))):
-            record_exit(ExitCode.TERMINATED)
+            monkeypatch.setattr(exitcodes, "_ending", exitcodes._Ending())  # each record: a new process
+            assert record_exit(ExitCode.TERMINATED) == ExitCode.TERMINATED
             assert got == [] and (tmp_path / "rank-1").read_text() == "2 143\n"
+            monkeypatch.setattr(exitcodes, "_ending", exitcodes._Ending())
             record_exit(ExitCode.DATA_ERROR, "ShardError: missing")
         assert got == [signal.SIGUSR1] and (tmp_path / "rank-1").read_text() == "2 3\n"
+        monkeypatch.setattr(exitcodes, "_ending", exitcodes._Ending())
         record_exit(ExitCode.LAUNCHER_LOST)  # listener removed with its context
         assert got == [signal.SIGUSR1] * 2
         assert heard == [(143, ""), (3, "ShardError: missing")]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_one_exit_per_process_the_first_wins(tmp_path, monkeypatch):
+    monkeypatch.setattr(exitcodes, "_ending", exitcodes._Ending())
+    monkeypatch.setenv(EXIT_CODE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(ENTRYPOINT_PID_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    heard: list[int] = []
+    with on_exit(lambda code, reason: heard.append(code)):
+        assert record_exit(ExitCode.RANKS_LOST, "peer gone") == ExitCode.RANKS_LOST
+        assert record_exit(ExitCode.TERMINATED) == ExitCode.RANKS_LOST
+    assert heard == [ExitCode.RANKS_LOST] and (tmp_path / "rank-0").read_text() == "0 203\n"
+
+
+_SIGTERM_AFTER_EXIT = """
+import os, signal, sys, time
+from trainer.exitcodes import ExitCode, on_exit, record_exit
+from trainer.ledger import Ledger
+from trainer.resiliency import Preemption
+
+ledger = Ledger(sys.argv[1], 1)
+Preemption(grace_s=30).install()
+with on_exit(lambda code, reason: ledger.exit(code, "X", reason)):
+    if sys.argv[2] == "during":  # ft_launcher's SIGTERM (twice) while the exit is being recorded
+        ledger.write = (lambda write: lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM),
+                                                       os.kill(os.getpid(), signal.SIGTERM), write(*a, **k))[-1])(ledger.write)
+    code = record_exit(ExitCode.RANKS_LOST, "peer gone")
+os.kill(os.getpid(), signal.SIGTERM)  # "after": the launcher stops the group while this process tears down
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_sigterm_while_a_worker_exits_keeps_its_code_and_one_ledger_record(tmp_path, when):
+    """A worker ending on its own error meets ft_launcher's SIGTERM (once or twice) while it records that
+    exit or tears down: one exit in the ledger, and the process ends with the code it recorded."""
+    exit_dir = tmp_path / "exits"
+    exit_dir.mkdir()
+    env = {**os.environ, EXIT_CODE_DIR_ENV: str(exit_dir), "RANK": "1"}
+    env.pop(ENTRYPOINT_PID_ENV, None)
+    result = subprocess.run([sys.executable, "-c", _SIGTERM_AFTER_EXIT, str(tmp_path / "run"), when],
+                            capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert result.returncode == ExitCode.RANKS_LOST, result.stderr
+    exits = [r for r in read(tmp_path / "run" / "recovery.jsonl") if r["event"] == "exit"]
+    assert [r["code"] for r in exits] == [ExitCode.RANKS_LOST]
+    assert (exit_dir / "rank-1").read_text() == "0 203\n"
 
 
 # --- one line on stderr, the traceback in the run's log --------------------------------------------------

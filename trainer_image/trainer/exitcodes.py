@@ -160,10 +160,45 @@ def on_exit(listener: Callable[[int, str], None]) -> Iterator[None]:
         _exit_listeners.remove(listener)
 
 
-def record_exit(code: int, reason: str = "") -> None:
+class _Ending:
+    """The exit this process has recorded: the first ``record_exit`` wins. A second way out (ft_launcher's
+    SIGTERM arriving while the process tears down after its own error, or a second SIGTERM re-entering the
+    handler) must neither write a second exit into the ledger nor end the process with another code."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.written = False  # the ledger, the entrypoint's file and its signal are done
+
+
+_ending = _Ending()
+
+
+def ending_code() -> int | None:
+    """The code this process already recorded as its exit (``record_exit`` was called), else None."""
+    return _ending.code
+
+
+def exit_being_recorded() -> bool:
+    """True while ``record_exit`` runs (a signal handler interrupted it): let it finish, do not exit now."""
+    return _ending.code is not None and not _ending.written
+
+
+def record_exit(code: int, reason: str = "") -> int:
     """Tell the exit listeners, and write this worker's exit code where ``entrypoint.sh`` reads it (outside
     the entrypoint: nothing more); when the code ``ends_job``, signal the entrypoint (SIGUSR1) to stop
-    ft_launcher before it restarts the group. Called once as the process ends, from every way out."""
+    ft_launcher before it restarts the group. Once per process, from every way out: a later call changes
+    nothing and returns the code recorded first, the one the process must end with."""
+    if _ending.code is not None:
+        return _ending.code
+    _ending.code = int(code)
+    try:
+        _record(int(code), reason)
+    finally:
+        _ending.written = True
+    return int(code)
+
+
+def _record(code: int, reason: str) -> None:
     import os
     import signal
 

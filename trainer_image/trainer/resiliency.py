@@ -44,7 +44,17 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, JobConfig
-from trainer.exitcodes import EXIT_CODE_DIR_ENV, PREEMPTING_MARKER, ExitCode, TrainerExit, classify, is_retryable, record_exit
+from trainer.exitcodes import (
+    EXIT_CODE_DIR_ENV,
+    PREEMPTING_MARKER,
+    ExitCode,
+    TrainerExit,
+    classify,
+    ending_code,
+    exit_being_recorded,
+    is_retryable,
+    record_exit,
+)
 from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger
 
@@ -169,6 +179,12 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if exit_being_recorded():  # this handler interrupted the process's own exit: let that finish
+            return
+        ending = ending_code()
+        if ending is not None:  # already on its way out after its own error: end now, with that code
+            logging.shutdown()
+            os._exit(ending)
         if self.requested:
             return
         exit_dir = os.environ.get(EXIT_CODE_DIR_ENV)
@@ -176,9 +192,9 @@ class Preemption:
             # FT: ft_launcher is stopping the workers for an in-job restart (a peer died): a final checkpoint
             # would wait for that peer until the launcher's stop timeout; the restart resumes from the last one.
             log.warning("SIGTERM from ft_launcher (in-job restart): exiting now")
-            record_exit(ExitCode.TERMINATED)
+            code = record_exit(ExitCode.TERMINATED)
             logging.shutdown()
-            os._exit(int(ExitCode.TERMINATED))
+            os._exit(code)
         self.requested = True
         log.warning("SIGTERM: final checkpoint at the end of this step (grace %.0f s)", self.grace_s)
         threading.Thread(target=self._deadline, name="preemption-deadline", daemon=True).start()
@@ -187,7 +203,7 @@ class Preemption:
         time.sleep(self.grace_s)
         code = ExitCode.PREEMPTED if self.committed else ExitCode.TERMINATED
         log.error("preemption grace of %.0f s is over: exiting %s", self.grace_s, code.name)
-        record_exit(code)
+        code = record_exit(code)  # the main thread's exit, when it got there first
         logging.shutdown()
         os._exit(int(code))
 

@@ -239,6 +239,10 @@ class CheckpointManager:
                 step = self._load_newest_valid(state)
         if step is None and self.cfg.init_from:
             self._warm_start(state)
+        forgotten = self.snapshots.forget_after(step)
+        if forgotten:
+            log.info("forgot the snapshots of steps %s: newer than the restored step %s, not held by every rank",
+                     forgotten, step)
         self.loaded_step = step
         self.policy.next_due = max(self.policy.next_due, (step or 0) + 1)
         self._prepare_slots(state)

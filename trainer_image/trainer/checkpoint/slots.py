@@ -415,6 +415,19 @@ class SnapshotStore:
 
         return outcome
 
+    def forget_after(self, step: int | None) -> list[int]:
+        """After a restore of ``step`` (None: nothing restored), forget every snapshot of a later step: some ranks
+        held it and others did not (a fault during its staging), so it belongs to a future the job did not
+        keep. Left in place, this rank alone would take it for the next save of that step and skip the
+        collective its peers enter. A slot a write in flight still reads is kept. Returns the steps forgotten."""
+        forgotten = []
+        for slot in self.slots:
+            if slot.step is not None and not slot.locked and (step is None or slot.step > step):
+                slot.published.wait()
+                forgotten.append(slot.step)
+                self.drop(slot)
+        return sorted(forgotten)
+
     def drop(self, slot: Slot) -> None:
         """Forget a snapshot that failed verification (its files are removed)."""
         self._expected_checksum.pop(slot.index, None)
