@@ -56,6 +56,8 @@ try:
 except Exception as exc:  # noqa: BLE001 - the message is the result
     outcome = f"failed after {time.monotonic() - started:.1f} s: {type(exc).__name__}: {exc}"
 held = second.snapshots.held_steps()
-print(f"rank{rank}: held after restore {held_after_restore}; {outcome}; held now {held}", flush=True)
+result = f"held after restore {held_after_restore}; {outcome}; held now {held}"
+(root / f"rank{rank}.result").write_text(result)  # both ranks print at once: their lines can interleave
+print(f"rank{rank}: {result}", flush=True)
 second.close(job_over=True)
 dist.destroy_process_group()

@@ -84,6 +84,25 @@ def test_heartbeat_to_a_missing_rank_monitor_exits_launcher_lost(tmp_path, monke
     hb.stop()  # teardown after the loss: no second error
 
 
+def test_learned_heartbeat_timeouts_never_undercut_the_launcher_or_the_in_process_layer():
+    """NVRx learns the first heartbeat's timeout from this attempt's connect-to-first-beat time (0.71 s seen);
+    the rank monitor applies it to the respawned worker, which connects before loading its checkpoint: it was
+    killed while loading, and its monitor was left ABORTED (every later heartbeat refused: exit 204)."""
+    from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+    from trainer.resiliency import Heartbeat
+
+    hb = Heartbeat(floor_s=24.0)
+    hb.first_beat_s = 1800.0  # ft_launcher's --ft-initial-rank-heartbeat-timeout, read at the first connect
+    learned = HeartbeatTimeouts(initial=0.71, subsequent=5.66, were_calculated=True)
+    assert hb._bounded(learned) == HeartbeatTimeouts(initial=1800.0, subsequent=24.0, were_calculated=True)
+    generous = HeartbeatTimeouts(initial=2000.0, subsequent=40.0, were_calculated=True)
+    assert hb._bounded(generous) is generous
+    key = hb.client.CURRENT_TIMEOUTS_STATE_KEY  # a checkpoint written before the bound: raised when loaded
+    hb.load_state_dict({key: {"heartbeat": {"initial": 0.71, "subsequent": 5.66, "were_calculated": True}}})
+    assert hb.client.loaded_hb_timeouts == HeartbeatTimeouts(initial=1800.0, subsequent=24.0, were_calculated=True)
+
+
 def test_record_exit_signals_the_entrypoint_only_for_job_ending_codes(tmp_path, monkeypatch):
     got: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))

@@ -19,7 +19,8 @@ under plain ``torchrun``, under ``ft_launcher`` (``entrypoint.sh``), with or wit
 2. **in-job** (``resiliency.heartbeats``): NVRx ``RankMonitorClient`` heartbeats to ``ft_launcher``'s rank
    monitors every step (a null object when ``FT_RANK_MONITOR_IPC_SOCKET`` is unset). Timeouts are
    computed from observed intervals (``calculate_and_set_hb_timeouts``) once a checkpoint save has been
-   observed, never below the in-process hard timeout (layers nest outward), and persisted in the
+   observed, never below the in-process hard timeout (layers nest outward), the first heartbeat's never
+   below ft_launcher's (a respawned worker loads its checkpoint before it beats), and persisted in the
    checkpoint as ``state["ft"]``. With both layers on, NVRx's nested-restarter callbacks tell the launcher
    about in-process restarts.
 3. **cluster**: when a budget is spent, the node is unhealthy or the pod is preempted, the process exits
@@ -98,6 +99,7 @@ class Heartbeat(NullHeartbeat):
         self.client = RankMonitorClient()
         self.floor_s = floor_s  # in-process hard timeout + margin when the Wrapper is on
         self.saves = 0
+        self.first_beat_s: float | None = None  # ft_launcher's initial heartbeat timeout, read at the first connect
 
     def start(self) -> None:
         """(Re)connect to this rank's monitor; per in-process iteration, as NVRx's nested example does."""
@@ -105,6 +107,8 @@ class Heartbeat(NullHeartbeat):
             if self.client.is_initialized:
                 self.client.shutdown_workload_monitoring()
             self.client.init_workload_monitoring()
+        if self.first_beat_s is None:
+            self.first_beat_s = self.client.cfg.initial_rank_heartbeat_timeout
         configured = self.client.cfg.rank_heartbeat_timeout
         if self.floor_s is not None and configured is not None and configured < self.floor_s:
             raise ConfigError(
@@ -126,15 +130,28 @@ class Heartbeat(NullHeartbeat):
         with self._monitor_link("send heartbeat timeouts to"):
             learned = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
         if learned:
-            timeouts = self.client.hb_timeouts
-            if self.floor_s is not None and timeouts.subsequent < self.floor_s:
-                from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
-
-                clamped = HeartbeatTimeouts(initial=max(timeouts.initial, self.floor_s),
-                                            subsequent=self.floor_s, were_calculated=True)
-                # No public setter for an adjusted value; this is what calculate_and_set_* calls.
-                self.client._set_calculated_timeouts(new_hb_timeouts=clamped, new_section_timeouts=None)
+            bounded = self._bounded(self.client.hb_timeouts)
+            if bounded != self.client.hb_timeouts:
+                with self._monitor_link("send heartbeat timeouts to"):
+                    # No public setter for an adjusted value; this is what calculate_and_set_* calls.
+                    self.client._set_calculated_timeouts(new_hb_timeouts=bounded, new_section_timeouts=None)
             log.info("in-job heartbeat timeouts: %s", self.client.hb_timeouts)
+
+    def _bounded(self, timeouts: Any) -> Any:
+        """Learned timeouts, bounded below. ``subsequent`` never below the in-process floor (layers nest
+        outward). ``initial`` never below ft_launcher's configured one: NVRx learns it from the time between
+        connecting and the first heartbeat of this attempt (a fraction of a second: the connection is made just
+        before the loop), but the rank monitor outlives the worker and applies it to the respawned worker,
+        which connects before it loads its checkpoint. A learned 0.71 s killed a respawned worker while it
+        loaded, and the killed worker left its monitor ABORTED, refusing every later heartbeat."""
+        from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+        floor = self.floor_s or 0.0
+        initial = max(timeouts.initial, self.first_beat_s or 0.0, floor)
+        subsequent = max(timeouts.subsequent, floor)
+        if (initial, subsequent) == (timeouts.initial, timeouts.subsequent):
+            return timeouts
+        return HeartbeatTimeouts(initial=initial, subsequent=subsequent, were_calculated=True)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):  # teardown: the monitor may already be gone (that was reported)
@@ -157,7 +174,19 @@ class Heartbeat(NullHeartbeat):
         return dict(self.client.state_dict()) if self.client.hb_timeouts is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.client.load_state_dict(state)
+        """Timeouts a checkpoint carries, bounded as learned ones are (an older checkpoint may hold a learned
+        ``initial`` below ft_launcher's)."""
+        import dataclasses
+
+        from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+        key = self.client.CURRENT_TIMEOUTS_STATE_KEY
+        saved = dict(state.get(key) or {})
+        if "heartbeat" in saved:
+            saved["heartbeat"] = dataclasses.asdict(self._bounded(HeartbeatTimeouts(**saved["heartbeat"])))
+            state = {**state, key: saved}
+        with self._monitor_link("send heartbeat timeouts to"):
+            self.client.load_state_dict(state)
 
 
 # --- preemption ---------------------------------------------------------------------------------------
