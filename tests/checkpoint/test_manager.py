@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,32 @@ def test_a_killed_writer_process_is_not_a_storage_error(tmp_path, pg, monkeypatc
         assert load_model_weights(mgr.dir, step=1).keys()
     finally:
         mgr.close(job_over=True)
+
+
+@pytest.mark.parametrize("hung", [False, True])
+def test_a_blocking_save_keeps_the_rank_alive_while_the_disk_writes_within_its_budget(tmp_path, pg, monkeypatch,
+                                                                                      caplog, hung):
+    """The final save waits 3 s on the disk (a slow fsync). The loop's liveness signals go on meanwhile, or the
+    in-job layer would take a slow disk for a hung rank and restart it into the same wait; past the write's budget
+    (30 s + the shard at checkpoint.min_write_mbps; here cut to nothing) they stop, so a hung disk is still found."""
+    from trainer.checkpoint import manager as manager_module
+
+    monkeypatch.setenv(FAULT_ENV, "slow_write:3")
+    if hung:
+        monkeypatch.setattr(manager_module, "_WRITE_GRACE_S", 0.0)
+    state = make_state()
+    train_step(state, 1)
+    mgr = manager(tmp_path, interval=5, min_write_mbps=1e9 if hung else 20.0)
+    beats: list[float] = []
+    mgr.keepalive = lambda: beats.append(time.monotonic())
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+            assert mgr.save(1, state, last_step=True)
+        assert committed_steps(mgr.dir) == [1]
+        if hung:
+            assert len(beats) <= 1 and "the liveness signals stop" in caplog.text
+        else:
+            assert len(beats) >= 2 and max(b - a for a, b in zip(beats, beats[1:])) < 1.5
+            assert "liveness" not in caplog.text
+    finally:
+        mgr.close()

@@ -238,6 +238,10 @@ class CheckpointConfig:
     verify_checksums: bool = True
     """Verify the sha256 of every 64 MiB chunk of the shards a rank reads, with a thread pool while reading them
     (one disk pass; the load then reads from the page cache)."""
+    min_write_mbps: float = 20.0
+    """The slowest storage a blocking save (the final one, a preemption's) is waited for, in MB/s per rank: the
+    rank's liveness signals (in-job heartbeat, in-process ping) go on for 30 s plus its shard's bytes at this rate,
+    then stop, and the recovery layers take a write that has not finished by then for a hung disk."""
 
     def validate(self) -> None:
         if isinstance(self.interval, str) and self.interval.strip().isdigit():
@@ -256,6 +260,8 @@ class CheckpointConfig:
             )
         if self.mtbf_s <= 0:
             raise ConfigError(f"checkpoint.mtbf_s must be > 0; got {self.mtbf_s}")
+        if self.min_write_mbps <= 0:
+            raise ConfigError(f"checkpoint.min_write_mbps must be > 0 (MB/s); got {self.min_write_mbps}")
         if self.keep < 2:
             raise ConfigError(
                 f"checkpoint.keep must be >= 2 so a corrupt latest checkpoint can fall back; got {self.keep}"

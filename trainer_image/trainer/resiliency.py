@@ -324,10 +324,15 @@ class Layers:
             self.ledger.write(event, **fields)
 
     def before_step(self, step: int) -> None:
+        self.keepalive()
+        self.faults.maybe_fire(step)
+
+    def keepalive(self) -> None:
+        """This rank is alive and making progress: the in-process progress ping and the in-job heartbeat (every
+        step; and while a blocking save waits on a disk that is still writing, see ``CheckpointManager``)."""
         if self.call_wrapper is not None:
             self.call_wrapper.ping()
         self.heartbeat.beat()
-        self.faults.maybe_fire(step)
 
     def after_step(self, step: int, checkpointer: Any, state: dict[str, Any], saved: bool) -> None:
         if saved:

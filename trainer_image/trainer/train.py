@@ -145,6 +145,7 @@ def train(
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
+    checkpointer.keepalive = ft.keepalive  # FT: a slow disk during a blocking save is not a hung rank
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
         model = build_model(cfg, device)

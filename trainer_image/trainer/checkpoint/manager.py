@@ -48,6 +48,8 @@ from trainer.parallel import DistEnv
 log = logging.getLogger(__name__)
 
 _COMMIT_POLL_S = 0.05  # a blocking commit polls the ranks' writers this often
+_KEEPALIVE_S = 1.0  # while a blocking commit waits on the disk, the loop's liveness signals go out this often
+_WRITE_GRACE_S = 30.0  # ... for this long plus the shard's bytes at checkpoint.min_write_mbps
 
 
 @dataclass
@@ -63,6 +65,10 @@ class _Persist:
     abandoned: bool = False
     """Left by an attempt whose ranks did not all hold it: its write finishes in the background, unused."""
     retried: bool = False
+    waiting_since: float | None = None
+    """When a blocking wait for this write began (time.monotonic)."""
+    alive_at: float = 0.0
+    budget_spent: bool = False
 
 
 class CheckpointManager:
@@ -98,6 +104,10 @@ class CheckpointManager:
         """Seconds the training loop was blocked by each memory checkpoint (staging, plus the write when synchronous)."""
         self.event_sink: Callable[..., None] = lambda event, **fields: None
         """Where decisions worth recording go (the recovery ledger): ``event_sink(event, **fields)``."""
+        self.keepalive: Callable[[], None] = lambda: None
+        """The loop's liveness signals (in-job heartbeat, in-process progress ping), sent about once a second while
+        a blocking save (the final one, a preemption's) waits on the disk, so a slow disk is not taken for a hung
+        rank; for at most ``checkpoint.min_write_mbps``'s budget, after which the monitors may end the rank."""
         atexit.register(self.close)
 
     # ---- per attempt ------------------------------------------------------------------------------------------
@@ -348,9 +358,31 @@ class CheckpointManager:
                 done = bool(flag.item())
             if done or not blocking:
                 break
+            self._keep_alive_while_written(persist)
             time.sleep(_COMMIT_POLL_S)
         if done:
             self._commit()
+
+    def _keep_alive_while_written(self, persist: _Persist) -> None:
+        """FT: heartbeats stop while the loop waits on the disk, and a write's progress cannot be seen (the page
+        cache takes the bytes at once, fsync waits). Send them for as long as a write of this shard may take on
+        storage of ``checkpoint.min_write_mbps``; after that the write is taken for a hung disk."""
+        now = time.monotonic()
+        if persist.waiting_since is None:
+            persist.waiting_since = now
+        if now - persist.alive_at < _KEEPALIVE_S:
+            return
+        assert persist.slot.buffer is not None
+        budget = _WRITE_GRACE_S + persist.slot.buffer.numel() * persist.slot.buffer.element_size() / (
+            self.cfg.min_write_mbps * 1e6)
+        if now - persist.waiting_since <= budget:
+            persist.alive_at = now
+            self.keepalive()
+        elif not persist.budget_spent:
+            persist.budget_spent = True
+            log.warning("step %d's write has taken %.0f s, longer than its shard at checkpoint.min_write_mbps=%g "
+                        "allows: the liveness signals stop (the recovery layers restart a rank stuck on a hung disk)",
+                        persist.step, now - persist.waiting_since, self.cfg.min_write_mbps)
 
     def _drain_persist(self) -> None:
         while self._persist is not None:
