@@ -11,6 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+RESTARTED = "will restart worker group"  # ft_launcher's line for an in-job restart
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from testlib import REPO, free_port
+from testlib import REPO, RESTARTED, free_port
 from trainer.exitcodes import ExitCode
 from trainer.ledger import read
 
@@ -34,7 +34,6 @@ VENV_BIN = Path(sys.executable).parent
 ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
 FT_ENV = {"FT_RANK_HEARTBEAT_TIMEOUT": "60", "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT": "120", "FT_WORKLOAD_CHECK_INTERVAL": "1",
           "FT_WORKERS_STOP_TIMEOUT": "5", "FT_TERM_TIMEOUT": "20", "FT_MAX_RESTARTS": "3"}
-RESTARTED = "will restart worker group"  # ft_launcher's line for an in-job restart
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

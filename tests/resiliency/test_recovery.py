@@ -6,6 +6,7 @@ the run is left behind.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from testlib import REPO, free_port
-from trainer.checkpoint import load_model_weights
+from testlib import REPO, RESTARTED, free_port
+from trainer.checkpoint import FAULT_ENV, load_model_weights
 from trainer.exitcodes import ExitCode
 from trainer.ledger import read
 
@@ -218,6 +219,18 @@ def test_sigterm_commits_a_final_checkpoint_and_a_relaunch_resumes(tmp_path, tin
     (restart,) = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
     assert restart["layer"] == "cluster" and restart["resumed_step"] == preempted["step"]
     assert events(tmp_path, "recovered")[0]["steps_redone"] == 0
+    assert_same_weights(tmp_path, reference)
+
+
+def test_a_disk_stalling_the_final_save_is_waited_for_not_restarted(tmp_path, tiny_dataset, reference):
+    """The final save stalls 15 s on the disk, past the heartbeat timeout learned from the steps (a few seconds):
+    the ranks keep heartbeating while they wait (checkpoint.min_write_mbps's budget), so ft_launcher does not
+    restart them into the same wait."""
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, env={FAULT_ENV: f"slow_write:15@{STEPS}"})
+    assert rc == 0, out[-4000:]
+    learned = [float(s) for s in re.findall(r"in-job heartbeat timeouts: .*subsequent=([\d.]+)", out)]
+    assert learned and max(learned) < 15, "the stall must outlast the learned heartbeat timeout"
+    assert RESTARTED not in out and "Did not get subsequent heartbeat" not in out, out[-4000:]
     assert_same_weights(tmp_path, reference)
 
 

@@ -65,10 +65,10 @@ class _Persist:
     abandoned: bool = False
     """Left by an attempt whose ranks did not all hold it: its write finishes in the background, unused."""
     retried: bool = False
-    waiting_since: float | None = None
-    """When a blocking wait for this write began (time.monotonic)."""
+    keepalive_until: float | None = None
+    """Set when a blocking wait for this write begins: until when the loop's liveness signals go on (monotonic)."""
     alive_at: float = 0.0
-    budget_spent: bool = False
+    """When they last went out (or the budget ran out: then it is past ``keepalive_until``)."""
 
 
 class CheckpointManager:
@@ -368,21 +368,18 @@ class CheckpointManager:
         cache takes the bytes at once, fsync waits). Send them for as long as a write of this shard may take on
         storage of ``checkpoint.min_write_mbps``; after that the write is taken for a hung disk."""
         now = time.monotonic()
-        if persist.waiting_since is None:
-            persist.waiting_since = now
-        if now - persist.alive_at < _KEEPALIVE_S:
-            return
-        assert persist.slot.buffer is not None
-        budget = _WRITE_GRACE_S + persist.slot.buffer.numel() * persist.slot.buffer.element_size() / (
-            self.cfg.min_write_mbps * 1e6)
-        if now - persist.waiting_since <= budget:
+        if persist.keepalive_until is None:
+            assert persist.slot.buffer is not None
+            persist.keepalive_until = now + _WRITE_GRACE_S + persist.slot.buffer.nbytes / (self.cfg.min_write_mbps * 1e6)
+        if now <= persist.keepalive_until:
+            if now - persist.alive_at >= _KEEPALIVE_S:
+                persist.alive_at = now
+                self.keepalive()
+        elif persist.alive_at <= persist.keepalive_until:  # the budget just ran out: say so once
             persist.alive_at = now
-            self.keepalive()
-        elif not persist.budget_spent:
-            persist.budget_spent = True
-            log.warning("step %d's write has taken %.0f s, longer than its shard at checkpoint.min_write_mbps=%g "
-                        "allows: the liveness signals stop (the recovery layers restart a rank stuck on a hung disk)",
-                        persist.step, now - persist.waiting_since, self.cfg.min_write_mbps)
+            log.warning("step %d's write is taking longer than its shard at checkpoint.min_write_mbps=%g allows: "
+                        "the liveness signals stop (the recovery layers restart a rank stuck on a hung disk)",
+                        persist.step, self.cfg.min_write_mbps)
 
     def _drain_persist(self) -> None:
         while self._persist is not None:

@@ -32,10 +32,9 @@ _POLL_S = 0.005
 
 FAULT_ENV = "TRAINER_CKPT_TEST_FAULT"
 """Test hook read at each persistent save and passed to the writer: ``slow_write:<seconds>`` (sleep after the
-first bytes of a shard are written, so a test can kill mid-write), ``slow_disk:<MB/s>`` (every write is paced
-to that rate: a slow disk that still makes progress), ``enospc`` (the first write raises ENOSPC)
-or ``torch_short_write`` (torch's zip writer fails as it does on a full disk, without an errno), optionally
-``@<step>`` to affect only that step. Unset in production."""
+first bytes of a shard are written, so a test can kill mid-write, or a slow disk stalls a save), ``enospc`` (the
+first write raises ENOSPC) or ``torch_short_write`` (torch's zip writer fails as it does on a full disk, without an
+errno), optionally ``@<step>`` to affect only that step. Unset in production."""
 
 
 def test_fault(step: int) -> str:
@@ -72,9 +71,6 @@ class HashingWriter:
         if self.fault.startswith("slow_write:"):
             time.sleep(float(self.fault.split(":", 1)[1]))  # test hook: a writer caught mid-file
             self.fault = ""
-        elif self.fault.startswith("slow_disk:"):  # test hook: a disk that writes, slowly (MB/s)
-            self.f.flush()
-            time.sleep(len(memoryview(data).cast("B")) / (float(self.fault.split(":", 1)[1]) * 1e6))
         return n
 
     def finish(self) -> list[str]:
