@@ -1,0 +1,22 @@
+"""Shared pieces of the config sections: the error type and the checks every section uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message says what to change."""
+
+
+def positive(section: Any, name: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value <= 0:
+            raise ConfigError(f"{name}.{key} must be > 0; got {value}")
+
+
+def choice(section: Any, name: str, key: str, choices: tuple[str, ...]) -> None:
+    value = getattr(section, key)
+    if value not in choices:
+        raise ConfigError(f"{name}.{key} must be one of {list(choices)}; got {value!r}")

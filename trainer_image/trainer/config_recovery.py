@@ -1,0 +1,213 @@
+"""The recovery sections of the trainer config: ``[checkpoint]`` (the tiers every layer resumes from) and
+``[resiliency]`` (the in-process layer, heartbeats to the in-job layer, fault injection). The in-job layer's own
+flags live in ``entrypoint.sh``; the cluster layer's in ``components/lib``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config_checks import ConfigError, choice as _choice, positive as _positive
+
+KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
+"""Fault kinds of ``resiliency.faults`` (injected by ``trainer.faults``)."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    kind: str
+
+    @property
+    def marker_name(self) -> str:
+        return f"{self.rank}-{self.step}-{self.kind}"
+
+
+def parse_faults(items: list[str] | tuple[str, ...]) -> list[FaultSpec]:
+    """Parse ``rank:step:kind`` items; a ConfigError says what to change."""
+    specs: list[FaultSpec] = []
+    for item in items:
+        parts = item.strip().split(":")
+        hint = f"resiliency.faults item {item!r} must look like rank:step:kind, e.g. 1:5:exception"
+        if len(parts) != 3:
+            raise ConfigError(hint)
+        rank_s, step_s, kind = (p.strip() for p in parts)
+        try:
+            rank, step = int(rank_s), int(step_s)
+        except ValueError:
+            raise ConfigError(f"{hint}; rank and step must be integers") from None
+        if rank < 0:
+            raise ConfigError(f"{hint}; rank must be >= 0, got {rank}")
+        if step < 1:
+            raise ConfigError(f"{hint}; step must be >= 1 (steps count from 1), got {step}")
+        if kind not in KINDS:
+            raise ConfigError(f"{hint}; unknown kind {kind!r}, kinds are {list(KINDS)}")
+        spec = FaultSpec(rank, step, kind)
+        if any((s.rank, s.step) == (rank, step) for s in specs):
+            raise ConfigError(f"resiliency.faults has two faults for rank {rank} at step {step}; keep one")
+        specs.append(spec)
+    return specs
+
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory on shared storage; empty = ``<train.run_dir>/checkpoints``."""
+    interval: int | str = 0
+    """Memory checkpoint every N steps (a snapshot in host memory: it blocks only for the device-to-host copy);
+    ``"auto"`` chooses N by Young/Daly, sqrt(2 * measured snapshot cost * ``mtbf_s``), logged and recorded in
+    the recovery ledger; 0 checkpoints only at the end of the run."""
+    persist_every: int = 1
+    """Every N-th memory checkpoint is also written to ``dir`` in the background (the persistent tier, read by
+    evaluation, the cluster layer and new nodes); 1 persists every one, 0 only the final one."""
+    memory_slots: int = 2
+    """Snapshot slots per rank in host memory (each holds this rank's whole state). The newest complete snapshot
+    is never overwritten and a slot being persisted is locked, so with 2 a memory checkpoint is skipped while an
+    older slot is still being written; 3 never skips."""
+    node_local: bool = True
+    """Publish each snapshot on the node (a header with a checksum beside the slot file) so a worker respawned
+    on the same node resumes from it instead of the disk."""
+    node_local_dir: str = "/dev/shm"
+    """Memory-backed directory for the snapshot slots (a memory ``emptyDir`` in Kubernetes); ``entrypoint.sh``
+    gives each job its own subdirectory and removes it when the job ends."""
+    mtbf_s: float = 86400.0
+    """Mean time between failures of the whole job, for ``interval = "auto"``."""
+    keep: int = 2
+    """Committed checkpoints to keep (>= 2 so a corrupt newest one can fall back)."""
+    async_save: bool = True
+    """Write in the background; training blocks only while the state is staged in host memory."""
+    resume: bool = True
+    """Resume from the latest valid checkpoint in ``dir`` when one exists."""
+    init_from: str = ""
+    """Warm start: load model weights (not optimizer or step) from this checkpoint dir when ``dir`` is empty."""
+    verify_checksums: bool = True
+    """Verify the sha256 of every 64 MiB chunk of the shards a rank reads, with a thread pool while reading them
+    (one disk pass; the load then reads from the page cache)."""
+    min_write_mbps: float = 20.0
+    """The slowest storage a blocking save (the final one, a preemption's) is waited for, in MB/s per rank: the
+    rank's liveness signals (in-job heartbeat, in-process ping) go on for 30 s plus its shard's bytes at this rate,
+    then stop, and the recovery layers take a write that has not finished by then for a hung disk."""
+
+    def validate(self) -> None:
+        if isinstance(self.interval, str) and self.interval.strip().isdigit():
+            self.interval = int(self.interval)
+        if self.interval != "auto" and not (isinstance(self.interval, int) and self.interval >= 0):
+            raise ConfigError(
+                f"checkpoint.interval must be a number of steps >= 0 (0 = only the final save) or \"auto\"; "
+                f"got {self.interval!r}"
+            )
+        if self.persist_every < 0:
+            raise ConfigError(f"checkpoint.persist_every must be >= 0 (0 = only the final save); got {self.persist_every}")
+        if self.memory_slots < 2:
+            raise ConfigError(
+                f"checkpoint.memory_slots must be >= 2 so the newest snapshot stays valid while the next is staged; "
+                f"got {self.memory_slots}"
+            )
+        if self.mtbf_s <= 0:
+            raise ConfigError(f"checkpoint.mtbf_s must be > 0; got {self.mtbf_s}")
+        if self.min_write_mbps <= 0:
+            raise ConfigError(f"checkpoint.min_write_mbps must be > 0 (MB/s); got {self.min_write_mbps}")
+        if self.keep < 2:
+            raise ConfigError(
+                f"checkpoint.keep must be >= 2 so a corrupt latest checkpoint can fall back; got {self.keep}"
+            )
+
+
+
+@dataclass
+class ResiliencyConfig:
+    inprocess: bool = False
+    """In-process restart layer: wrap training in NVRx ``inprocess.Wrapper`` (exceptions and hangs are
+    recovered in the same processes). On CPU/gloo it needs ``collective_timeout_s < soft_timeout_s``."""
+    inprocess_max_restarts: int = 3
+    """In-process restarts allowed per process (and faults per rank, NVRx ``FaultCounter``); beyond it the
+    process exits RESTART_BUDGET_EXHAUSTED (200) and the in-job layer takes over."""
+    heartbeats: str = "auto"
+    """In-job layer: NVRx ``RankMonitorClient`` heartbeats to ``ft_launcher``: ``auto`` (on when launched
+    by ft_launcher), ``on`` (error without ft_launcher) or ``off``."""
+    soft_timeout_s: float = 60.0
+    """In-process: a rank that made no progress (no step) for this long is interrupted and restarted."""
+    hard_timeout_s: float = 90.0
+    """In-process: a rank stuck this long (e.g. GIL held) is terminated; the in-job layer then restarts
+    the group. Keep ``ft_launcher``'s heartbeat timeout above it (``entrypoint.sh``)."""
+    heartbeat_timeout_s: float = 30.0
+    """In-process: a rank whose monitor sends no heartbeat for this long is declared missing."""
+    termination_grace_s: float = 5.0
+    """In-process: seconds between SIGTERM and SIGKILL when the hard timeout terminates a rank."""
+    monitor_process_interval_s: float = 0.5
+    """In-process: how often the monitor process checks timeouts; must be < ``progress_watchdog_interval_s``
+    (NVRx skips timeout checks while watchdog timestamps keep arriving)."""
+    progress_watchdog_interval_s: float = 1.0
+    """In-process: how often the progress watchdog reports a timestamp to the monitor process."""
+    collective_timeout_s: float = 30.0
+    """Process-group (collective) timeout. With ``inprocess`` on CPU/gloo it must stay below
+    ``soft_timeout_s``: a blocked gloo collective cannot be aborted, only timed out."""
+    health_checks: bool = True
+    """Check GPU (NVML: ECC, retired pages, XID, thermal), NVLink and NIC health at start and after each
+    in-process fault; an unhealthy rank exits UNHEALTHY_NODE (201). Absent hardware is skipped."""
+    sysfs_root: str = "/sys"
+    """Root of the sysfs tree the NIC health check reads (``class/net``, ``class/infiniband``); for tests."""
+    preemption_grace_s: float = 25.0
+    """On SIGTERM: seconds allowed for the final synchronous checkpoint before the process exits anyway.
+    Keep it below the pod's ``terminationGracePeriodSeconds`` (Kubernetes default 30)."""
+    faults: list[str] = field(default_factory=list)
+    """Fault injection, ``rank:step:kind`` items (kinds: exception, hang, hang_gil, sigkill, oom, sigterm,
+    corrupt_checkpoint). Off when empty; each fires once per run directory."""
+
+    def validate(self) -> None:
+        _choice(self, "resiliency", "heartbeats", ("auto", "on", "off"))
+        _positive(self, "resiliency", (
+            "soft_timeout_s", "hard_timeout_s", "heartbeat_timeout_s", "termination_grace_s",
+            "monitor_process_interval_s", "progress_watchdog_interval_s", "collective_timeout_s",
+            "preemption_grace_s",
+        ))
+        if self.inprocess_max_restarts < 0:
+            raise ConfigError(f"resiliency.inprocess_max_restarts must be >= 0; got {self.inprocess_max_restarts}")
+        if self.hard_timeout_s <= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.hard_timeout_s ({self.hard_timeout_s:g}) must be greater than "
+                f"resiliency.soft_timeout_s ({self.soft_timeout_s:g})"
+            )
+        if self.monitor_process_interval_s >= self.progress_watchdog_interval_s:
+            raise ConfigError(
+                f"resiliency.monitor_process_interval_s ({self.monitor_process_interval_s:g}) must be smaller than "
+                f"resiliency.progress_watchdog_interval_s ({self.progress_watchdog_interval_s:g}), or NVRx skips "
+                "its timeout checks; e.g. 0.5 and 1.0"
+            )
+        if self.progress_watchdog_interval_s >= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.progress_watchdog_interval_s ({self.progress_watchdog_interval_s:g}) must be smaller "
+                f"than resiliency.soft_timeout_s ({self.soft_timeout_s:g})"
+            )
+        if self.inprocess and self.heartbeat_timeout_s <= self.monitor_process_interval_s:
+            raise ConfigError(
+                f"resiliency.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be greater than "
+                f"resiliency.monitor_process_interval_s ({self.monitor_process_interval_s:g})"
+            )
+        parse_faults(self.faults)
+
+    def check_collective_timeout(self, backend: str) -> None:
+        """Timeouts nest differently per backend when the in-process layer is on.
+
+        gloo (CPU): a blocked gloo collective cannot be aborted, only timed out, so the collective timeout must
+        fire before the Wrapper's soft timeout. NCCL (GPU): NVRx aborts NCCL communicators itself, and the
+        NCCL watchdog would kill the whole process on a timeout, so the collective timeout must outlast the
+        Wrapper's hard timeout (the in-process layer acts first).
+        """
+        if not self.inprocess:
+            return
+        if backend == "gloo" and self.collective_timeout_s >= self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.collective_timeout_s ({self.collective_timeout_s:g}) must be smaller than "
+                f"resiliency.soft_timeout_s ({self.soft_timeout_s:g}) on CPU/gloo with resiliency.inprocess on: a "
+                "blocked gloo collective cannot be aborted, only timed out; lower collective_timeout_s (e.g. to "
+                f"{max(1.0, self.soft_timeout_s / 2):g}) or raise soft_timeout_s"
+            )
+        if backend == "nccl" and self.collective_timeout_s <= self.hard_timeout_s:
+            raise ConfigError(
+                f"resiliency.collective_timeout_s ({self.collective_timeout_s:g}) must be greater than "
+                f"resiliency.hard_timeout_s ({self.hard_timeout_s:g}) on GPU/NCCL with resiliency.inprocess on: "
+                "NVRx aborts NCCL itself, while a NCCL timeout kills the process; raise collective_timeout_s "
+                f"(e.g. to {2 * self.hard_timeout_s:g})"
+            )
