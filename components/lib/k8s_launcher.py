@@ -23,9 +23,10 @@ two resources (API coordinates, the success condition, which pod is rank 0, how 
   launcher attached and are no longer visible are not counted.
 - **restart budget** (TrainJob): the runtime's JobSet failure policy restarts the whole set for exit codes
   >= 128 and fails it for 1-127 (`components.lib.trainjob`). JobSet's ``maxRestarts`` sits in the shared
-  runtime, so the per-run budget is the launcher's own, as for PyTorchJob: it reads the JobSet's
-  ``status.restarts`` (an absolute count, so restarts before the launcher attached count too) each time the
-  TrainJob's status changes, and deletes the TrainJob when it exceeds ``spec.max_cluster_restarts``. A
+  runtime, so the per-run budget is the launcher's own, as for PyTorchJob: it reads the restart attempt JobSet
+  stamps on the pods (``jobset.sigs.k8s.io/restart-attempt``, an absolute count, so restarts before the
+  launcher attached count too) each time the TrainJob's status changes, and deletes the TrainJob when it
+  exceeds ``spec.max_cluster_restarts``. A
   TrainJob failed by JobSet's own backstop (reason ``ReachedMaxRestarts``) raises the same error.
 - **the step fails when the job fails**: ``Failed`` raises `JobFailedError` with the condition's
   reason and message, the trainer's exit code (the rank-0 container's, else any failed training
@@ -208,25 +209,34 @@ class ConditionRestarts:
         return self._count, self._message
 
 
-class JobSetRestarts:
-    """TrainJob: the JobSet's ``status.restarts``, read each time the TrainJob's status changes."""
+class RestartAttemptLabels:
+    """TrainJob: the highest ``jobset.sigs.k8s.io/restart-attempt`` label on the TrainJob's pods, read each time
+    the TrainJob's status changes.
 
-    def __init__(self, custom: k8s.CustomObjectsApi, name: str, namespace: str, timings: LauncherTimings) -> None:
-        self._custom, self._name, self._namespace, self._t = custom, name, namespace, timings
+    JobSet stamps each pod it creates with its restart count at the time (``status.restarts``), so the label
+    is absolute, as the JobSet's count is, and a re-attaching launcher sees restarts from before it attached.
+    It needs only ``pods: list``, which a Kubeflow profile owner may grant; reading the JobSet itself would need
+    ``jobsets: get``, which Kubeflow's edit/admin roles do not give. A TrainJob's own v2.3 status (conditions,
+    ``jobsStatus``, ``trainerStatus``) has no restart count. A restart counts once its new pods exist and the
+    TrainJob's status changes again (at the latest when they become ready)."""
+
+    def __init__(self, core: k8s.CoreV1Api, name: str, namespace: str, timings: LauncherTimings) -> None:
+        self._core, self._name, self._namespace, self._t = core, name, namespace, timings
         self._count, self._seen_status = 0, None
 
     def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
         status = job.get("status")
         if status != self._seen_status:
-            self._seen_status = status
             try:
-                jobset = self._custom.get_namespaced_custom_object(
-                    trainjob.JOBSET_GROUP, trainjob.JOBSET_VERSION, self._namespace, trainjob.JOBSET_PLURAL,
-                    self._name, _request_timeout=self._t.request_timeout_s)
-                self._count = max(self._count, int((jobset.get("status") or {}).get("restarts") or 0))
-            except ApiException as exc:
-                if exc.status != HTTP_NOT_FOUND:  # not created yet, or gone with its TTL: keep the count
-                    raise
+                pods = self._core.list_namespaced_pod(
+                    self._namespace, label_selector=f"{trainjob.JOBSET_NAME_LABEL}={self._name}",
+                    _request_timeout=self._t.request_timeout_s).items
+            except (ApiException, *DISCONNECT_ERRORS) as exc:  # keep the count; read again on the next change
+                log.info("listing the pods of %s for its restart count failed (%s)", self._name, exc)
+            else:
+                self._seen_status = status
+                attempts = [(p.metadata.labels or {}).get(trainjob.RESTART_ATTEMPT_LABEL, "0") for p in pods]
+                self._count = max([self._count] + [int(a) for a in attempts if a.isdigit()])
         return self._count, f"JobSet {self._name} recreated its pods (restart attempt {self._count})"
 
 
@@ -249,7 +259,7 @@ class JobKind:
     """Label selector of the rank-0 pod, by job name."""
     pods_selector: Callable[[str], str]
     """Label selector of all the job's pods, by job name."""
-    restarts: Callable[[k8s.CustomObjectsApi, str, str, LauncherTimings], RestartCounter]
+    restarts: Callable[[k8s.CoreV1Api, str, str, LauncherTimings], RestartCounter]
     budget_reasons: frozenset[str] = frozenset()
     """``Failed`` reasons meaning a server-side restart limit was reached."""
 
@@ -275,7 +285,7 @@ TRAINJOB = JobKind(
     kind=trainjob.KIND, group=trainjob.GROUP, version=trainjob.VERSION, plural=trainjob.PLURAL, succeeded=COMPLETE,
     container=trainjob.NODE, manifest=_trainjob_manifest, errors=trainjob.webhook_errors,
     rank0_selector=trainjob.node0_selector, pods_selector=lambda name: f"{trainjob.JOBSET_NAME_LABEL}={name}",
-    restarts=JobSetRestarts, budget_reasons=frozenset({REACHED_MAX_RESTARTS}))
+    restarts=RestartAttemptLabels, budget_reasons=frozenset({REACHED_MAX_RESTARTS}))
 
 
 class _JobTracker:
@@ -356,7 +366,7 @@ class JobLauncher:
         started = time.monotonic()
         deadline = started + spec.active_deadline_seconds + self._t.deadline_margin_s
         tracker = _JobTracker(kind, spec.name, spec.namespace, spec.max_cluster_restarts,
-                              kind.restarts(self._custom, spec.name, spec.namespace, self._t))
+                              kind.restarts(self._core, spec.name, spec.namespace, self._t))
         with sigterm_raises(lambda: LauncherTerminated('received SIGTERM (pipeline run cancelled?)')):
             try:
                 final = self._submit(manifest, tracker)

@@ -26,7 +26,7 @@ The exit-code contract as a failure policy (FT: the cluster recovery layer for t
 - The restart *budget* is the launcher's own (``max_cluster_restarts``, per run), as for PyTorchJob: JobSet's
   ``maxRestarts`` lives in the shared runtime and cannot be patched per TrainJob, so it is set to the largest
   budget the pipeline accepts (`MAX_RESTARTS`) as a server-side backstop, and the launcher counts JobSet's
-  ``status.restarts`` and deletes the TrainJob when the run's budget is spent.
+  restarts (the ``restart-attempt`` label of the pods) and deletes the TrainJob when the run's budget is spent.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
-JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+"""JobSet's restart count when it created the pod (its ``status.restarts`` then): the launcher's restart count."""
 DEFAULT_PULL_POLICY = "IfNotPresent"
 DEFAULT_SHM_SIZE = "1Gi"
 

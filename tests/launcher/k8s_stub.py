@@ -3,16 +3,15 @@
 `StubCluster` serves, on 127.0.0.1 (a free port, `http.server.ThreadingHTTPServer` in a thread), just
 what `components.lib.k8s_launcher` calls, for one backend: ``kubeflow.org/v1`` ``pytorchjobs`` or
 ``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (namespaced create/get/list/watch (``?watch=true``, chunked
-JSON lines)/delete), ``jobset.x-k8s.io/v1alpha2`` ``jobsets`` get (the JobSet a TrainJob owns, for its
-``status.restarts``); ``pods`` list; ``pods/log`` (follow, chunked). A `Scenario` plays the operator:
+JSON lines)/delete); ``pods`` list; ``pods/log`` (follow, chunked). A `Scenario` plays the operator:
 after each create it applies its actions in order (conditions, rank-0 pods that start, log and exit), and
 it scripts watch disconnects, ``410 Gone`` and a pre-existing job from an earlier attempt.
 
 The actions are written once for both backends; the stub's `_Flavour` says how each operator shows them.
 PyTorchJob: conditions as training-operator v1.9 sets them, pod ``<job>-master-0``. TrainJob: what the
 trainer reflects of its JobSet — ``jobsStatus`` per replicated job while it runs, ``Complete``/``Failed``
-conditions with JobSet's reasons at the end, the JobSet's ``status.restarts``; pods
-``<job>-node-0-0-<attempt>`` labelled as JobSet labels them (``restart-attempt`` included).
+conditions with JobSet's reasons at the end; pods ``<job>-node-0-0-<attempt>`` labelled as JobSet labels them
+(``restart-attempt``, JobSet's restart count when it made the pod, included).
 `master_fails` lets the operator decide from the exit code: ``restartPolicy: ExitCode`` for PyTorchJob, and
 for TrainJob the failure policy of the ClusterTrainingRuntime that `components.lib.trainjob` builds,
 evaluated by `jobset_action` as the Job and JobSet controllers would.
@@ -60,7 +59,6 @@ SWEEP_TIMINGS = replace(FAST_TIMINGS, deadline_margin_s=0.2)
 
 _JOBS = re.compile(r"^/apis/(kubeflow\.org|trainer\.kubeflow\.org)/(?:v1|v1alpha1)/namespaces/([^/]+)/"
                    r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
-_JOBSETS = re.compile(r"^/apis/(jobset\.x-k8s\.io)/v1alpha2/namespaces/([^/]+)/(jobsets)(?:/([^/]+))?$")
 BACKENDS = ("pytorchjob", "trainjob")
 _PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
 
@@ -175,7 +173,7 @@ class _Flavour:
             return {self.job_label: job, "training.kubeflow.org/replica-type": "master",
                     "training.kubeflow.org/replica-index": "0"}
         return {self.job_label: job, trainjob.REPLICATED_JOB_LABEL: trainjob.NODE, trainjob.JOB_INDEX_LABEL: "0",
-                trainjob.COMPLETION_INDEX_LABEL: "0", "jobset.sigs.k8s.io/restart-attempt": str(attempt)}
+                trainjob.COMPLETION_INDEX_LABEL: "0", trainjob.RESTART_ATTEMPT_LABEL: str(attempt)}
 
 
 FLAVOURS = {
@@ -220,6 +218,7 @@ class StubCluster:
         self.runtime = trainjob.to_manifest(trainjob.build_runtime())
         """The ClusterTrainingRuntime whose failure policy the TrainJob "operator" applies."""
         self.jobset_restarts: dict[tuple[str, str], int] = {}
+        """The JobSet's ``status.restarts`` per TrainJob: the restart-attempt label of the pods it makes next."""
         self.exit_codes: dict[tuple[str, str], int] = {}
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
@@ -448,7 +447,7 @@ class StubCluster:
 
 def _rbac(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
     """The (apiGroup, resource[/subresource], verb) an API server authorizes a request as."""
-    if m := (_JOBS.match(path) or _JOBSETS.match(path)):
+    if m := _JOBS.match(path):
         group, resource, item = m.group(1), m.group(3), m.group(4)
     elif m := _PODS.match(path):
         group, resource, item = "", "pods" + ("/log" if m.group(3) else ""), m.group(2)
@@ -500,8 +499,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.stub.requests.append((method, url.path, _rbac(method, url.path, query)))
         if (m := _JOBS.match(url.path)) and m.group(3) == self.stub.flavour.plural:
             self._jobs(method, m.group(2), m.group(4), query, body)
-        elif (m := _JOBSETS.match(url.path)) and method == "GET" and m.group(4) and self.stub.backend == "trainjob":
-            self._jobset(m.group(2), m.group(4))
         elif (m := _PODS.match(url.path)) and method == "GET":
             if m.group(3):
                 self._log(m.group(1), m.group(2), query)
@@ -582,18 +579,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _not_found(self, name: str, plural: str = "") -> None:
         plural = plural or f"{self.stub.flavour.plural}.{self.stub.flavour.group}"
         self._json(404, _status(404, "NotFound", f'{plural} "{name}" not found'))
-
-    def _jobset(self, ns: str, name: str) -> None:
-        """The JobSet the trainer made for TrainJob `name`: only what the launcher reads (status.restarts)."""
-        with self.stub.changed:
-            exists = (ns, name) in self.stub.jobs
-            restarts = self.stub.jobset_restarts.get((ns, name), 0)
-        if not exists:
-            self._not_found(name, "jobsets.jobset.x-k8s.io")
-            return
-        self._json(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                         "metadata": {"name": name, "namespace": ns},
-                         "status": {"restarts": restarts, "restartsCountTowardsMax": restarts}})
 
     # --- pods ----------------------------------------------------------------------------------
     def _list_pods(self, ns: str, query: dict[str, str]) -> None:

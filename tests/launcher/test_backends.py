@@ -154,8 +154,7 @@ def test_trainjob_permissions() -> None:
     assert launcher_permissions("trainjob") == {
         ("trainer.kubeflow.org", "trainjobs", "create"), ("trainer.kubeflow.org", "trainjobs", "get"),
         ("trainer.kubeflow.org", "trainjobs", "list"), ("trainer.kubeflow.org", "trainjobs", "watch"),
-        ("trainer.kubeflow.org", "trainjobs", "delete"), ("jobset.x-k8s.io", "jobsets", "get"),
-        ("", "pods", "list"), ("", "pods/log", "get")}
+        ("trainer.kubeflow.org", "trainjobs", "delete"), ("", "pods", "list"), ("", "pods/log", "get")}
 
 
 def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
@@ -173,11 +172,13 @@ def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
 
 
 def test_trainjob_counts_restarts_from_before_the_launcher_attached() -> None:
-    """JobSet's restart count is absolute: a re-attaching launcher sees a budget already spent."""
+    """JobSet's restart count is absolute, and so is the restart-attempt label it puts on the pods it makes:
+    a re-attaching launcher sees a budget already spent, with no right beyond pods: list."""
     spec = _spec(max_cluster_restarts=1)
     with StubCluster(Scenario(), "trainjob") as cluster:
         cluster.put_job(manifest_for(spec, "trainjob"), "Running")
         cluster.jobset_restarts[(NS, spec.name)] = 2
+        cluster.start_master(NS, spec.name, ["attempt 2 runs"])  # pod labelled restart-attempt=2
         with pytest.raises(RestartBudgetExceededError, match="restarted 2 times, more than max_cluster_restarts=1"):
             cluster.launcher().run(spec)
         assert cluster.deleted == [(spec.name, True)]
