@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from components.lib.params import ParamError, PipelineParams
+from components.lib.params import ParamError, PipelineParams, step_pull_secret_errors
 from pipelines.compile import compile_pipeline
 
 SERVICE_ACCOUNT = "default-editor"  # the Kubeflow profile's editor; deploy/base/rbac.yaml binds the launcher Role to it
@@ -166,7 +166,11 @@ def package_defaults(package: str) -> dict[str, Any]:
 def validated(values: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The arguments to submit (only those given: the pipeline's defaults fill in the rest), validated
     together with the defaults they are combined with."""
-    PipelineParams.from_mapping({**(defaults or {}), **values}).validate()
+    params = PipelineParams.from_mapping({**(defaults or {}), **values}).validate()
+    if defaults is not None:  # a compiled package: its pull secrets are the image_pull_secrets default
+        errors = step_pull_secret_errors(params.step_image_pull_secret, defaults.get("image_pull_secrets") or [])
+        if errors:
+            raise ParamError(errors)
     return values
 
 

@@ -332,3 +332,14 @@ def test_multi_user_kfp_without_any_namespace_asks_for_one(fake_client, capsys):
     assert not [c for c in fake_client if c[0] == "run"]
     FakeClient.multi_user = False  # a standalone KFP: no namespace needed
     assert cli.main(["submit", "--host", "http://kfp", "--param", f"image={IMAGE}"]) == 0
+
+
+def test_a_step_pull_secret_for_a_package_compiled_without_one_is_refused_before_submitting(fake_client, tmp_path,
+                                                                                             capsys):
+    package = compile_pipeline(tmp_path / "p.yaml", image=IMAGE, version="0.0.0+test")
+    assert cli.main(["submit", "--host", "http://kfp", "--package", str(package),
+                     "--param", "step_image_pull_secret=ghcr-cred"]) == 2
+    assert "compiled without --image-pull-secret" in capsys.readouterr().err and fake_client == []
+    package = compile_pipeline(tmp_path / "q.yaml", image=IMAGE, image_pull_secrets=["regcred"], version="0.0.0+t")
+    assert cli.main(["submit", "--host", "http://kfp", "--package", str(package),
+                     "--param", "step_image_pull_secret=ghcr-cred"]) == 0
