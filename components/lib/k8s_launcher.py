@@ -12,7 +12,10 @@ two resources (API coordinates, the success condition, which pod is rank 0, how 
   ``Succeeded`` job is returned without resubmitting.
 - **never hangs**: the job is watched (field selector ``metadata.name``); a watch that times out or
   disconnects is re-opened from the last resourceVersion, and a ``410 Gone`` re-lists. An overall
-  deadline of ``activeDeadlineSeconds + LauncherTimings.deadline_margin_s`` deletes the job and raises.
+  deadline of ``activeDeadlineSeconds + LauncherTimings.deadline_margin_s`` deletes the job and raises; it
+  runs from the job's admission, not its submission: while Kueue keeps the job suspended (``suspend`` set,
+  ``runPolicy.suspend`` for a PyTorchJob, or a ``Suspended`` condition) it waits in its queue without one, and
+  a job suspended again (preempted) gets a new deadline when it is re-admitted.
 - **restart budget** (PyTorchJob): ``restartPolicy: ExitCode`` makes the operator delete and recreate a
   pod that exited >= 128, ignoring ``backoffLimit``. Each time it does, v1.9 sets the job condition
   ``Restarting=True``, which replaces ``Running`` (and ``Running`` replaces it when the pods are up
@@ -186,6 +189,15 @@ def job_state(job: Mapping[str, Any], succeeded: str = SUCCEEDED) -> str:
     return RUNNING if any(j.get("active") for j in status.get("jobsStatus") or []) else PENDING
 
 
+def is_suspended(job: Mapping[str, Any], suspend_path: tuple[str, ...]) -> bool:
+    """Whether the job waits for admission: its ``suspend`` flag is set (Kueue sets it when the job is created
+    and clears it when it admits the job) or the operator still reports it ``Suspended`` (it lags the flag)."""
+    flag: Any = job
+    for key in suspend_path:
+        flag = flag.get(key) if isinstance(flag, Mapping) else None
+    return flag is True or _true_condition(job, SUSPENDED) is not None
+
+
 class RestartCounter(Protocol):
     """Counts one job's cluster-level restarts from its observed versions."""
 
@@ -260,6 +272,8 @@ class JobKind:
     pods_selector: Callable[[str], str]
     """Label selector of all the job's pods, by job name."""
     restarts: Callable[[k8s.CoreV1Api, str, str, LauncherTimings], RestartCounter]
+    suspend_path: tuple[str, ...] = ("spec", "suspend")
+    """Where the job's ``suspend`` flag is (Kueue sets it at creation and clears it on admission)."""
     budget_reasons: frozenset[str] = frozenset()
     """``Failed`` reasons meaning a server-side restart limit was reached."""
 
@@ -280,7 +294,7 @@ PYTORCHJOB = JobKind(
     container=CONTAINER_NAME, manifest=_pytorchjob_manifest, errors=webhook_errors,
     rank0_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name},{constants.REPLICA_TYPE_LABEL}={MASTER_REPLICA_LABEL}",
     pods_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name}",
-    restarts=lambda *_: ConditionRestarts())
+    restarts=lambda *_: ConditionRestarts(), suspend_path=("spec", "runPolicy", "suspend"))
 TRAINJOB = JobKind(
     kind=trainjob.KIND, group=trainjob.GROUP, version=trainjob.VERSION, plural=trainjob.PLURAL, succeeded=COMPLETE,
     container=trainjob.NODE, manifest=_trainjob_manifest, errors=trainjob.webhook_errors,
@@ -292,16 +306,37 @@ class _JobTracker:
     """Follows one job's status: logs transitions, counts restarts, enforces the restart budget."""
 
     def __init__(self, kind: JobKind, name: str, namespace: str, max_restarts: int,
-                 counter: RestartCounter) -> None:
+                 counter: RestartCounter, budget_s: float) -> None:
         self.kind, self.name, self.namespace, self.max_restarts = kind, name, namespace, max_restarts
-        self.counter = counter
+        self.counter, self.budget_s = counter, budget_s
         self.state = "Submitted"
         self.restarts = 0
         self.conditions: list[dict[str, Any]] = []
+        self.admitted_at: float | None = None
+        """When the job was (last) admitted (monotonic); None while it waits suspended in a queue."""
+
+    def deadline(self) -> float | None:
+        """The launcher's deadline (monotonic): `budget_s` after admission; None while the job is queued.
+
+        FT: time suspended by Kueue is not training time; the operator's own activeDeadlineSeconds restarts on
+        admission too (the job's start time is reset when it resumes), so this backstop follows it."""
+        return None if self.admitted_at is None else self.admitted_at + self.budget_s
+
+    def _admission(self, job: Mapping[str, Any]) -> None:
+        suspended = is_suspended(job, self.kind.suspend_path)
+        if suspended and self.admitted_at is not None:
+            log.warning("%s %s/%s was suspended again (preempted by its queue?); its deadline restarts when it is "
+                        "admitted again", self.kind.kind, self.namespace, self.name)
+            self.admitted_at = None
+        elif not suspended and self.admitted_at is None:
+            self.admitted_at = time.monotonic()
+            log.info("%s %s/%s is admitted; the launcher's deadline is %.0f s from now (activeDeadlineSeconds + "
+                     "margin)", self.kind.kind, self.namespace, self.name, self.budget_s)
 
     def observe(self, job: Mapping[str, Any]) -> str:
         """Record one observed version of the job; return its state."""
         self.conditions = list((job.get("status") or {}).get("conditions") or [])
+        self._admission(job)
         state = job_state(job, self.kind.succeeded)
         if state != self.state:
             cond = _true_condition(job, state) or {}
@@ -364,16 +399,16 @@ class JobLauncher:
         if errors:
             raise InvalidJobError(f"{kind.kind} {spec.name} would be rejected:\n  - " + "\n  - ".join(errors))
         started = time.monotonic()
-        deadline = started + spec.active_deadline_seconds + self._t.deadline_margin_s
         tracker = _JobTracker(kind, spec.name, spec.namespace, spec.max_cluster_restarts,
-                              kind.restarts(self._core, spec.name, spec.namespace, self._t))
+                              kind.restarts(self._core, spec.name, spec.namespace, self._t),
+                              spec.active_deadline_seconds + self._t.deadline_margin_s)
         with sigterm_raises(lambda: LauncherTerminated('received SIGTERM (pipeline run cancelled?)')):
             try:
                 final = self._submit(manifest, tracker)
                 if final is None:
                     with MasterLogStreamer(self._core, spec.name, spec.namespace, self._out, self._t,
                                            kind.rank0_selector(spec.name), kind.container) as logs:
-                        final = self._wait(spec.name, spec.namespace, deadline, tracker)
+                        final = self._wait(spec.name, spec.namespace, tracker)
                     if tracker.state == FAILED:
                         cond = _true_condition(final, FAILED) or {}
                         raise JobFailedError(spec.name, cond.get("reason", FAILED), cond.get("message", ""),
@@ -491,17 +526,19 @@ class JobLauncher:
         raise LauncherError(f"{self.kind.kind} {namespace}/{name} was still being deleted after "
                             f"{self._t.delete_timeout_s:.0f} s; check for stuck finalizers or pods")
 
-    def _wait(self, name: str, namespace: str, deadline: float, tracker: _JobTracker) -> dict[str, Any]:
-        """Watch the job until it is terminal; reconnect on disconnects, re-list on 410 Gone."""
+    def _wait(self, name: str, namespace: str, tracker: _JobTracker) -> dict[str, Any]:
+        """Watch the job until it is terminal; reconnect on disconnects, re-list on 410 Gone. The deadline runs
+        from the job's admission: a job Kueue keeps suspended waits in its queue without one."""
         selector = f"metadata.name={name}"
         k = self.kind
         resource_version: str | None = None
         while True:
-            remaining = deadline - time.monotonic()
+            deadline = tracker.deadline()
+            remaining = math.inf if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceededError(
                     f"{k.kind} {namespace}/{name} is still {tracker.state} after the launcher's deadline "
-                    f"(activeDeadlineSeconds + {self._t.deadline_margin_s:.0f} s); deleting it")
+                    f"(activeDeadlineSeconds + {self._t.deadline_margin_s:.0f} s from its admission); deleting it")
             try:
                 if resource_version is None:
                     listing = self._custom.list_namespaced_custom_object(
@@ -513,7 +550,7 @@ class JobLauncher:
                     tracker.observe(listing["items"][0])
                     if tracker.terminal():
                         return listing["items"][0]
-                timeout = max(1, min(self._t.watch_timeout_s, math.ceil(remaining)))
+                timeout = max(1, min(self._t.watch_timeout_s, math.ceil(min(remaining, 1e9))))
                 for event in Watch().stream(
                         self._custom.list_namespaced_custom_object, k.group, k.version, namespace, k.plural,
                         field_selector=selector, resource_version=resource_version, timeout_seconds=timeout,

@@ -123,6 +123,21 @@ def finishing(*lines: str) -> list[Action]:
     return [master_up(*lines), master_exit(0), condition("Succeeded")]
 
 
+def pause(seconds: float) -> Action:
+    """Nothing happens for `seconds` (a job waiting in a queue)."""
+    return lambda cluster, ns, name: time.sleep(seconds)
+
+
+def admitted() -> Action:
+    """Kueue admits the job: it clears the suspend flag, and the operator reports the job resumed."""
+    return lambda cluster, ns, name: cluster.set_suspended(ns, name, False)
+
+
+def suspended() -> Action:
+    """Kueue suspends the job again (preempted by a higher-priority workload): flag set, condition Suspended."""
+    return lambda cluster, ns, name: cluster.set_suspended(ns, name, True)
+
+
 def running_forever() -> list[Action]:
     """Created -> Running, and nothing after."""
     return [condition("Created"), master_up("training..."), condition("Running")]
@@ -144,6 +159,8 @@ class Scenario:
     """A job of the launched name already exists in this state (an earlier attempt); put it with
     `StubCluster.put_job`. The actions play on an existing ``Running`` job, else on the next created one."""
     delete_delay_s: float = DELETE_DELAY_S
+    suspend_on_create: bool = False
+    """A created job arrives with its suspend flag set, as Kueue's webhook sets it for a queued job."""
 
 
 @dataclass
@@ -164,6 +181,10 @@ class _Flavour:
     container: str
     job_label: str
     """Pod label naming the job."""
+
+    @property
+    def suspend_path(self) -> tuple[str, ...]:
+        return ("spec", "runPolicy", "suspend") if self.plural == "pytorchjobs" else ("spec", "suspend")
 
     def pod_name(self, job: str, attempt: int) -> str:
         return f"{job}-master-0" if self.plural == "pytorchjobs" else f"{job}-node-0-0-{attempt:05d}"
@@ -270,6 +291,8 @@ class StubCluster:
         job = json.loads(json.dumps(manifest))
         job["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now())
         job["status"] = {"conditions": []}
+        if self.scenario.suspend_on_create and state is None:
+            self._suspend_flag(job, True)
         with self.changed:
             self.jobs[(meta["namespace"], meta["name"])] = job
             self.jobset_restarts[(meta["namespace"], meta["name"])] = 0
@@ -313,6 +336,27 @@ class StubCluster:
                     c["status"] = "False"
             conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,
                           "lastUpdateTime": now, "lastTransitionTime": now})
+            job["status"]["conditions"] = conds
+            self._bump("MODIFIED", job)
+
+    def _suspend_flag(self, job: dict[str, Any], value: bool) -> None:
+        *parents, key = self.flavour.suspend_path
+        node = job
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = value
+
+    def set_suspended(self, ns: str, name: str, value: bool) -> None:
+        """Kueue sets or clears the job's suspend flag; the operator mirrors it in condition ``Suspended``
+        (True while suspended, False with reason ``Resumed`` once admitted), as both operators do."""
+        prefix = "PyTorchJob" if self.backend == "pytorchjob" else ""
+        with self.changed:
+            job = self.jobs[(ns, name)]
+            self._suspend_flag(job, value)
+            conds = [c for c in job["status"]["conditions"] if c["type"] != "Suspended"]
+            conds.append({"type": "Suspended", "status": "True" if value else "False",
+                          "reason": f"{prefix}{'Suspended' if value else 'Resumed'}",
+                          "message": "suspended by its queue" if value else "admitted", "lastTransitionTime": _now()})
             job["status"]["conditions"] = conds
             self._bump("MODIFIED", job)
 
