@@ -1,8 +1,9 @@
 """Idempotent, loud launcher of the train step's cluster job: a PyTorchJob (training-operator v1.9) or a
 TrainJob (Kubeflow Trainer v2.3).
 
-One implementation, `JobLauncher`, holds every guarantee below; a `JobKind` says what differs between the
-two resources (API coordinates, the success condition, which pod is rank 0, how restarts show).
+One implementation, `JobLauncher`, holds every guarantee below; a `JobKind` (`components.lib.k8s_kinds`) says
+what differs between the two resources (API coordinates, the success condition, which pod is rank 0, where the
+suspend flag is, how restarts show).
 `PyTorchJobLauncher` runs the job built by `components.lib.pytorchjob`, `TrainJobLauncher` the one built by
 `components.lib.trainjob`; both take the same `TrainJobSpec`. `PyTorchJobLauncher.run(spec)`:
 
@@ -52,34 +53,33 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TextIO
+from typing import Any, ClassVar, TextIO
 
-from kubeflow.training import constants
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 from kubernetes.watch import Watch
 
-from components.lib import trainjob
+from components.lib.k8s_kinds import (
+    FAILED,
+    PYTORCHJOB,
+    RESTARTING,
+    TRAINJOB,
+    JobKind,
+    RestartCounter,
+    is_suspended,
+    job_state,
+    true_condition,
+)
 from components.lib.k8s_logs import DISCONNECT_ERRORS, MasterLogStreamer
 from components.lib.local_launcher import exit_name
-from components.lib.pytorchjob import CONTAINER_NAME, TrainJobSpec, build_pytorchjob, to_manifest, webhook_errors
+from components.lib.pytorchjob import TrainJobSpec
 from components.lib.signals import sigterm_raises
 
 log = logging.getLogger(__name__)
 
-GROUP = constants.GROUP
-VERSION = constants.VERSION
-PLURAL = constants.PYTORCHJOB_PLURAL
-MASTER_REPLICA_LABEL = "master"  # value of training.kubeflow.org/replica-type on the Master pod
-
-CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
-    "Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
-COMPLETE = "Complete"  # TrainJob's success condition
-PENDING = "Pending"  # no condition yet: the operator has not seen the job
-REACHED_MAX_RESTARTS = "ReachedMaxRestarts"  # JobSet's Failed reason when its maxRestarts is spent
 HTTP_NOT_FOUND, HTTP_CONFLICT, HTTP_GONE = 404, 409, 410
 TRANSIENT_HTTP = frozenset({429, 500, 502, 503, 504})
 
@@ -169,139 +169,6 @@ class LauncherTerminated(LauncherError):
     """The launcher received SIGTERM (the pipeline run was cancelled); the job was deleted."""
 
 
-def _true_condition(job: Mapping[str, Any], ctype: str) -> dict[str, Any] | None:
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == ctype and cond.get("status") == "True":
-            return cond
-    return None
-
-
-def job_state(job: Mapping[str, Any], succeeded: str = SUCCEEDED) -> str:
-    """``Failed``/`succeeded` if terminal, else the newest true condition's type, else ``Running`` when a
-    TrainJob's ``jobsStatus`` has active Jobs (TrainJob has no Running condition), else ``Pending``."""
-    for terminal in (FAILED, succeeded):
-        if _true_condition(job, terminal):
-            return terminal
-    status = job.get("status") or {}
-    true_types = [c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"]
-    if true_types:
-        return true_types[-1]  # the operator appends the newest condition
-    return RUNNING if any(j.get("active") for j in status.get("jobsStatus") or []) else PENDING
-
-
-def is_suspended(job: Mapping[str, Any], suspend_path: tuple[str, ...]) -> bool:
-    """Whether the job waits for admission: its ``suspend`` flag is set (Kueue sets it when the job is created
-    and clears it when it admits the job) or the operator still reports it ``Suspended`` (it lags the flag)."""
-    flag: Any = job
-    for key in suspend_path:
-        flag = flag.get(key) if isinstance(flag, Mapping) else None
-    return flag is True or _true_condition(job, SUSPENDED) is not None
-
-
-class RestartCounter(Protocol):
-    """Counts one job's cluster-level restarts from its observed versions."""
-
-    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
-        """Restarts so far, and what the newest one said."""
-
-
-class ConditionRestarts:
-    """PyTorchJob: one restart per ``Restarting=True`` condition that appears or gets a new transition time."""
-
-    def __init__(self) -> None:
-        self._count, self._mark, self._message = 0, None, "-"
-
-    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
-        restarting = _true_condition(job, RESTARTING)
-        mark = str(restarting.get("lastTransitionTime")) if restarting else None
-        if mark is not None and mark != self._mark:
-            self._count += 1
-            self._message = str(restarting.get("message", "-"))
-        self._mark = mark
-        return self._count, self._message
-
-
-class RestartAttemptLabels:
-    """TrainJob: the highest ``jobset.sigs.k8s.io/restart-attempt`` label on the TrainJob's pods, read each time
-    the TrainJob's status changes.
-
-    JobSet stamps each pod it creates with its restart count at the time (``status.restarts``), so the label
-    is absolute, as the JobSet's count is, and a re-attaching launcher sees restarts from before it attached.
-    It needs only ``pods: list``, which a Kubeflow profile owner may grant; reading the JobSet itself would need
-    ``jobsets: get``, which Kubeflow's edit/admin roles do not give. A TrainJob's own v2.3 status (conditions,
-    ``jobsStatus``, ``trainerStatus``) has no restart count. A restart counts once its new pods exist and the
-    TrainJob's status changes again (at the latest when they become ready)."""
-
-    def __init__(self, core: k8s.CoreV1Api, name: str, namespace: str, timings: LauncherTimings) -> None:
-        self._core, self._name, self._namespace, self._t = core, name, namespace, timings
-        self._count, self._seen_status = 0, None
-
-    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
-        status = job.get("status")
-        if status != self._seen_status:
-            try:
-                pods = self._core.list_namespaced_pod(
-                    self._namespace, label_selector=f"{trainjob.JOBSET_NAME_LABEL}={self._name}",
-                    _request_timeout=self._t.request_timeout_s).items
-            except (ApiException, *DISCONNECT_ERRORS) as exc:  # keep the count; read again on the next change
-                log.info("listing the pods of %s for its restart count failed (%s)", self._name, exc)
-            else:
-                self._seen_status = status
-                attempts = [(p.metadata.labels or {}).get(trainjob.RESTART_ATTEMPT_LABEL, "0") for p in pods]
-                self._count = max([self._count] + [int(a) for a in attempts if a.isdigit()])
-        return self._count, f"JobSet {self._name} recreated its pods (restart attempt {self._count})"
-
-
-@dataclass(frozen=True)
-class JobKind:
-    """What differs between the job resources the launcher runs."""
-
-    kind: str
-    group: str
-    version: str
-    plural: str
-    succeeded: str
-    """The condition type of success (``Succeeded``, ``Complete``)."""
-    container: str
-    """The training container's name in every pod."""
-    manifest: Callable[[TrainJobSpec], dict[str, Any]]
-    errors: Callable[[Mapping[str, Any]], list[str]]
-    """Admission-webhook rules checked before submitting."""
-    rank0_selector: Callable[[str], str]
-    """Label selector of the rank-0 pod, by job name."""
-    pods_selector: Callable[[str], str]
-    """Label selector of all the job's pods, by job name."""
-    restarts: Callable[[k8s.CoreV1Api, str, str, LauncherTimings], RestartCounter]
-    suspend_path: tuple[str, ...] = ("spec", "suspend")
-    """Where the job's ``suspend`` flag is (Kueue sets it at creation and clears it on admission)."""
-    budget_reasons: frozenset[str] = frozenset()
-    """``Failed`` reasons meaning a server-side restart limit was reached."""
-
-
-def _pytorchjob_manifest(spec: TrainJobSpec) -> dict[str, Any]:
-    return to_manifest(build_pytorchjob(spec))
-
-
-def _trainjob_manifest(spec: TrainJobSpec) -> dict[str, Any]:
-    try:
-        return trainjob.to_manifest(trainjob.build_trainjob(spec))
-    except ValueError as exc:
-        raise InvalidJobError(str(exc)) from exc
-
-
-PYTORCHJOB = JobKind(
-    kind=constants.PYTORCHJOB_KIND, group=GROUP, version=VERSION, plural=PLURAL, succeeded=SUCCEEDED,
-    container=CONTAINER_NAME, manifest=_pytorchjob_manifest, errors=webhook_errors,
-    rank0_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name},{constants.REPLICA_TYPE_LABEL}={MASTER_REPLICA_LABEL}",
-    pods_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name}",
-    restarts=lambda *_: ConditionRestarts(), suspend_path=("spec", "runPolicy", "suspend"))
-TRAINJOB = JobKind(
-    kind=trainjob.KIND, group=trainjob.GROUP, version=trainjob.VERSION, plural=trainjob.PLURAL, succeeded=COMPLETE,
-    container=trainjob.NODE, manifest=_trainjob_manifest, errors=trainjob.webhook_errors,
-    rank0_selector=trainjob.node0_selector, pods_selector=lambda name: f"{trainjob.JOBSET_NAME_LABEL}={name}",
-    restarts=RestartAttemptLabels, budget_reasons=frozenset({REACHED_MAX_RESTARTS}))
-
-
 class _JobTracker:
     """Follows one job's status: logs transitions, counts restarts, enforces the restart budget."""
 
@@ -339,7 +206,7 @@ class _JobTracker:
         self._admission(job)
         state = job_state(job, self.kind.succeeded)
         if state != self.state:
-            cond = _true_condition(job, state) or {}
+            cond = true_condition(job, state) or {}
             # Routine progress (Created, Running, Succeeded) at INFO; a failure or a restart at WARNING.
             log.log(logging.WARNING if state in (FAILED, RESTARTING) else logging.INFO,
                     "%s %s/%s: %s -> %s (%s: %s)", self.kind.kind, self.namespace, self.name, self.state, state,
@@ -350,7 +217,7 @@ class _JobTracker:
             log.warning("%s %s/%s: cluster-level restart %d (budget %d): %s", self.kind.kind, self.namespace,
                         self.name, n, self.max_restarts, message)
         self.restarts = max(self.restarts, count)
-        reached = state == FAILED and (_true_condition(job, FAILED) or {}).get("reason") in self.kind.budget_reasons
+        reached = state == FAILED and (true_condition(job, FAILED) or {}).get("reason") in self.kind.budget_reasons
         if self.restarts > self.max_restarts or reached:
             raise RestartBudgetExceededError(
                 f"{self.kind.kind} {self.namespace}/{self.name} restarted {self.restarts} times, more than "
@@ -394,7 +261,10 @@ class JobLauncher:
     def run(self, spec: TrainJobSpec) -> JobResult:
         """Submit (or attach to) the job and wait; return on ``Succeeded``, raise otherwise."""
         kind = self.kind
-        manifest = kind.manifest(spec)
+        try:
+            manifest = kind.manifest(spec)
+        except ValueError as exc:  # a setting this kind of job cannot carry
+            raise InvalidJobError(str(exc)) from exc
         errors = kind.errors(manifest)
         if errors:
             raise InvalidJobError(f"{kind.kind} {spec.name} would be rejected:\n  - " + "\n  - ".join(errors))
@@ -410,7 +280,7 @@ class JobLauncher:
                                            kind.rank0_selector(spec.name), kind.container) as logs:
                         final = self._wait(spec.name, spec.namespace, tracker)
                     if tracker.state == FAILED:
-                        cond = _true_condition(final, FAILED) or {}
+                        cond = true_condition(final, FAILED) or {}
                         raise JobFailedError(spec.name, cond.get("reason", FAILED), cond.get("message", ""),
                                              logs.tail(), self.exit_code(spec.name, spec.namespace), kind.kind)
             except JobFailedError:
