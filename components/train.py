@@ -26,14 +26,19 @@ def train(
     """
     import json
     import os
+    import sys
 
     from components.lib.params import PipelineParams
-    from components.lib.train_step import configure_step_logging, run_train
+    from components.lib.train_step import PermanentFailureError, configure_step_logging, run_train
 
     configure_step_logging()
     values = dict(locals())
     p = PipelineParams.from_mapping({k: values[k] for k in PipelineParams.__dataclass_fields__})
-    outcome = run_train(p, run_id, dataset.metadata["data_dir"])
+    try:
+        outcome = run_train(p, run_id, dataset.metadata["data_dir"])
+    except PermanentFailureError as exc:  # a retry after a permanent exit: one line, the trainer's code
+        print(exc, file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
     pointer = {"checkpoint_dir": outcome.checkpoint_dir, "step": outcome.step, "model": outcome.model,
                "run_dir": outcome.run_dir, "run_id": run_id}
     os.makedirs(checkpoint.path, exist_ok=True)
