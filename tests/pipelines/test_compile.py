@@ -223,6 +223,17 @@ def test_rooms_import_only_what_they_may():
         assert not others, f"{path} imports {others}: pipelines/ may import only kfp, components and the stdlib"
 
 
+MAX_LINES = 600
+
+
+def test_no_file_of_the_kfp_rooms_is_over_600_lines():
+    """The house rule for components/ and pipelines/ (trainer_image/ has its own split under way: widen this to
+    every project file once trainer/checkpoint/manager.py is under the limit)."""
+    long = {str(path.relative_to(REPO)): n for path in sorted((REPO / "components").rglob("*.py"))
+            + sorted((REPO / "pipelines").glob("*.py")) if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split along a seam that is there): {long}"
+
+
 def test_compile_cli_writes_yaml(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "x" / "p.yaml"), "--image", IMAGE]) == 0
     spec, _ = yaml.safe_load_all((tmp_path / "x" / "p.yaml").read_text())
