@@ -11,7 +11,8 @@ def train(
     model: str, steps: int, checkpoint_interval: int, nodes: int, gpus_per_node: int, procs_per_node: int,
     seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
     max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
-    workdir: str, pvc_name: str, namespace: str, image: str, image_pull_secrets: list, node_selector: dict,
+    workdir: str, pvc_name: str, namespace: str, image: str, image_pull_secrets: list,
+    step_image_pull_secret: str, node_selector: dict,
     tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,
     eval_max_batches: int, eval_cpu: str, eval_memory: str, eval_gpus: int, promoted_registry: str,
     min_improvement: float, deadline_hours: float,
@@ -25,14 +26,19 @@ def train(
     """
     import json
     import os
+    import sys
 
     from components.lib.params import PipelineParams
-    from components.lib.train_step import configure_step_logging, run_train
+    from components.lib.train_step import PermanentFailureError, configure_step_logging, run_train
 
     configure_step_logging()
     values = dict(locals())
     p = PipelineParams.from_mapping({k: values[k] for k in PipelineParams.__dataclass_fields__})
-    outcome = run_train(p, run_id, dataset.metadata["data_dir"])
+    try:
+        outcome = run_train(p, run_id, dataset.metadata["data_dir"])
+    except PermanentFailureError as exc:  # a retry after a permanent exit: one line, the trainer's code
+        print(exc, file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
     pointer = {"checkpoint_dir": outcome.checkpoint_dir, "step": outcome.step, "model": outcome.model,
                "run_dir": outcome.run_dir, "run_id": run_id}
     os.makedirs(checkpoint.path, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import re
 import sys
@@ -26,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from components.lib.params import ParamError, PipelineParams
+from components.lib.params import ParamError, PipelineParams, step_pull_secret_errors
 from pipelines.compile import compile_pipeline
 
 SERVICE_ACCOUNT = "default-editor"  # the Kubeflow profile's editor; deploy/base/rbac.yaml binds the launcher Role to it
@@ -36,6 +37,9 @@ COOKIES_ENV = "KFP_COOKIES"
 IN_CLUSTER_HOST = "http://ml-pipeline.{namespace}.svc.cluster.local:8888"
 KFP_SYSTEM_NAMESPACE = "kubeflow"
 IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
+#: Where a pod finds its own namespace, and where kfp keeps its context (the default namespace of ``kfp``).
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+KFP_CONTEXT_FILE = "~/.config/kfp/context.json"
 _CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,?#LW-]+$")
 # (name, low, high, names allowed) of each KFP (robfig/cron) field, seconds first.
 _CRON_RANGES = (("second", 0, 59, ()), ("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day-of-month", 1, 31, ()),
@@ -162,7 +166,11 @@ def package_defaults(package: str) -> dict[str, Any]:
 def validated(values: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The arguments to submit (only those given: the pipeline's defaults fill in the rest), validated
     together with the defaults they are combined with."""
-    PipelineParams.from_mapping({**(defaults or {}), **values}).validate()
+    params = PipelineParams.from_mapping({**(defaults or {}), **values}).validate()
+    if defaults is not None:  # a compiled package: its pull secrets are the image_pull_secrets default
+        errors = step_pull_secret_errors(params.step_image_pull_secret, defaults.get("image_pull_secrets") or [])
+        if errors:
+            raise ParamError(errors)
     return values
 
 
@@ -200,14 +208,65 @@ def client_arguments(args: argparse.Namespace, environ: Mapping[str, str] | None
     return {"host": IN_CLUSTER_HOST.format(namespace=args.kfp_namespace), "credentials": credentials, **namespace}
 
 
+def default_namespace(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The namespace to use when ``--namespace`` is not given, and where it came from: in a pod, its
+    ServiceAccount's namespace (a Kubeflow notebook's is its profile's); else the ``namespace`` of kfp's
+    context file (``kfp`` writes it, e.g. ``Client.set_user_namespace``); ``("", "")`` when neither says."""
+    environ = os.environ if environ is None else environ
+    if IN_CLUSTER_ENV in environ:
+        with contextlib.suppress(OSError):
+            namespace = SA_NAMESPACE_FILE.read_text().strip()
+            if namespace:
+                return namespace, f"the pod's ServiceAccount namespace, {SA_NAMESPACE_FILE}"
+    context = Path(os.path.expanduser(KFP_CONTEXT_FILE))
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        namespace = str(json.loads(context.read_text()).get("namespace") or "").strip()
+        if namespace:
+            return namespace, f"kfp's context, {context}"
+    return "", ""
+
+
+@contextlib.contextmanager
+def quiet_kfp() -> Iterator[None]:
+    """Silence what kfp and its HTTP stack log through the ``logging`` module (kfp logs a traceback per failed
+    health check on the root logger); `reaching` turns their errors into one line instead."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def _client(args: argparse.Namespace) -> Any:
+    """A ``kfp.Client`` that has made exactly one request, a health check with the credentials, so refused
+    credentials or a wrong host fail here with one line (kfp's own check retries five times, 5 s apart,
+    and logs a traceback for each)."""
     import kfp
 
+    if not args.namespace:
+        args.namespace, source = default_namespace()
+        if args.namespace:
+            print(f"namespace {args.namespace} (from {source}; --namespace chooses another)")
     kwargs = client_arguments(args)
     args.host = kwargs["host"]
+
+    class OneProbeClient(kfp.Client):
+        health: Any = None
+
+        def get_kfp_healthz(self, sleep_duration: int = 0) -> Any:  # noqa: ARG002 - kfp's signature
+            # The constructor calls this when it has no namespace; once, not kfp's five attempts.
+            self.health = self._healthz_api.healthz_service_get_healthz()
+            return self.health
+
     with warnings.catch_warnings():  # "This client only works with Kubeflow Pipeline v2.0.0-beta.2 and later"
         warnings.simplefilter("ignore", FutureWarning)
-        return kfp.Client(**kwargs)
+        client = OneProbeClient(**kwargs)
+        health = client.health or client.get_kfp_healthz()
+    if not args.namespace and getattr(health, "multi_user", False):
+        raise CliError(f"{args.host} is a multi-user Kubeflow Pipelines: pass --namespace with your Kubeflow profile's "
+                       "namespace (the one in the Kubeflow dashboard's namespace menu)")
+    return client
 
 
 def _experiment_id(client: Any, args: argparse.Namespace) -> str:
@@ -264,16 +323,19 @@ def reaching(args: argparse.Namespace) -> Iterator[None]:
     The client raises urllib3 errors for an unreachable host and kfp_server_api's ApiException for HTTP
     errors; ``pipelines/`` imports neither package, so they are recognized by their module and fields."""
     try:
-        yield
+        with quiet_kfp():
+            yield
     except CliError:
         raise
     except Exception as exc:
         host = args.host or "the in-cluster KFP API"
         status = getattr(exc, "status", None)
-        if type(exc).__name__ == "ApiException" and status in (401, 403):
-            raise KfpUnreachable(f"{host} refused the request (HTTP {status} {getattr(exc, 'reason', '')}): check the "
-                           f"credentials ($KFP_TOKEN / $KFP_COOKIES still valid?) and that the account may use "
-                           f"namespace {args.namespace or '(unset: pass --namespace)'}") from None
+        if type(exc).__name__ == "ApiException" and status == 401:
+            raise KfpUnreachable(f"401: {_refused(args)} (host {host})") from None
+        if type(exc).__name__ == "ApiException" and status == 403:
+            raise KfpUnreachable(f"403: {host} accepted the credentials but refused the request: the account may not "
+                                 f"use namespace {args.namespace or '(none: pass --namespace)'}; check that it is "
+                                 "your Kubeflow profile's, or that the profile's owner shared it with you") from None
         if type(exc).__name__ == "ApiException":
             raise KfpUnreachable(f"{host} answered HTTP {status} {getattr(exc, 'reason', '')}: check that --host is the "
                            "Pipelines API (often https://KUBEFLOW/pipeline) and the KFP backend is >= 2.4") from None
@@ -282,6 +344,21 @@ def reaching(args: argparse.Namespace) -> Iterator[None]:
             raise KfpUnreachable(f"cannot reach Kubeflow Pipelines at {host} ({type(reason).__name__}): check the URL "
                            "(scheme, port, the /pipeline path), VPN or port-forward, and proxy settings") from None
         raise
+
+
+def _refused(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str:
+    """What a 401 means for the credentials the CLI sent, and what to do about it."""
+    environ = os.environ if environ is None else environ
+    if args.existing_token or environ.get(TOKEN_ENV):
+        return (f"the token was refused (--existing-token / ${TOKEN_ENV}): it has expired or is for another "
+                f"cluster; make a new one, e.g. export {TOKEN_ENV}=$(kubectl -n NAMESPACE create token default-editor)")
+    if args.cookies or environ.get(COOKIES_ENV):
+        return (f"the session cookies were refused (--cookies / ${COOKIES_ENV}): log in to the Kubeflow dashboard "
+                "again and copy the new session cookie")
+    if args.host and args.host.startswith(IN_CLUSTER_HOST.split("{", 1)[0]):
+        return ("the pod's Pipelines token was refused: check that the notebook has 'Allow access to Kubeflow "
+                "Pipelines' (PodDefault access-ml-pipeline)")
+    return f"no credentials were sent and the server wants some: set ${TOKEN_ENV} or ${COOKIES_ENV} (see --help)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default=os.environ.get("KFP_HOST"),
                        help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline (default: $KFP_HOST); "
                             "omit it in the cluster")
-        p.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user installs)")
+        p.add_argument("--namespace", default=None,
+                       help="Kubeflow profile namespace (multi-user installs; default: in a pod its own "
+                            f"namespace, else the one in {KFP_CONTEXT_FILE})")
         p.add_argument("--existing-token", default=None, metavar="TOKEN",
                        help=f"bearer token for --host (default: ${TOKEN_ENV}; prefer the variable)")
         p.add_argument("--cookies", default=None, metavar="COOKIES",

@@ -2,10 +2,13 @@
 
 The YAML is compiled for one image: ``--image`` becomes the default of the ``image`` parameter (every step
 and the training pods run it; there is no built-in default), ``--image-pull-secret`` the pull secrets of
-every step and of the training pods, and the project's build stamp (``--print-version``) goes into the
+every step (the first one as the default of the run parameter ``step_image_pull_secret``) and the default
+of the training pods' ``image_pull_secrets``, and the project's build stamp (``--print-version``) goes into the
 pipeline's description and its first step, which fails when the image was built from another version.
 Build the image with the same stamp: ``docker build --build-arg VERSION="$(python -m pipelines.compile
---print-version)" ...``. Running it needs a KFP backend >= 2.4 (parameterized image and resources).
+--print-version)" ...``. Running it needs a KFP backend >= 2.4 (parameterized image and resources); the
+run-time node selector and tolerations of the steps and their ``step_image_pull_secret`` need >= 2.5 (a 2.4
+backend ignores them, pulling with the first compiled secret): see deploy/README.md.
 """
 
 from __future__ import annotations

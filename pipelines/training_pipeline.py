@@ -10,7 +10,9 @@ builds it with the image, pull secrets and version stamp of the deployment (`Bui
 Placement: the train step is a long-running CPU pod that only launches and watches the PyTorchJob, so it
 gets no GPU node selector or toleration (only ``launcher_node_selector``); the PyTorchJob's pods get
 ``node_selector``/``tolerations`` from the launcher (``components/lib/pytorchjob.py``). Evaluation gets
-resource requests (``eval_cpu``, ``eval_memory``, ``eval_gpus``) and the tolerations, since it may use a GPU.
+resource requests and limits (``eval_cpu``, ``eval_memory``, ``eval_gpus``) and the tolerations, since it may
+use a GPU. Step pods pull the image with ``step_image_pull_secret`` (a run parameter, in a pipeline compiled
+with ``--image-pull-secret``), the training pods with ``image_pull_secrets``.
 """
 
 from dataclasses import dataclass
@@ -80,6 +82,16 @@ def _docstring(build: Build) -> str:
     return "\n".join(lines)
 
 
+def _pull_secrets(task: dsl.PipelineTask, step_secret: object, compiled: tuple[str, ...]) -> None:
+    """The step pod's pull secrets: the run parameter `step_secret` first, then the other compiled names.
+
+    KFP takes a pull secret from a string parameter (backend >= 2.5), never from a list. A 2.4 backend
+    (Kubeflow 1.10) reads only the literal ``secretName`` and skips the parameter it does not know, so the
+    first entry carries the compiled name too: 2.4 pulls with it, >= 2.5 resolves the parameter first."""
+    kubernetes.set_image_pull_secrets(task, [step_secret, *compiled[1:]])
+    task.platform_config["kubernetes"]["imagePullSecret"][0]["secretName"] = compiled[0]
+
+
 def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = Build()):
     """The pipeline with ``retry`` on its train step, for the image and version of `build`."""
 
@@ -106,6 +118,7 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
         namespace: str = DEFAULTS.namespace,
         image: str = build.image,
         image_pull_secrets: list = list(build.image_pull_secrets),
+        step_image_pull_secret: str = (build.image_pull_secrets or ("",))[0],
         node_selector: dict = DEFAULTS.node_selector,
         tolerations: list = DEFAULTS.tolerations,
         launcher_node_selector: dict = DEFAULTS.launcher_node_selector,
@@ -127,14 +140,16 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
             task.set_container_image(image)
             kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=SHARED_MOUNT)
             if build.image_pull_secrets:
-                kubernetes.set_image_pull_secrets(task, list(build.image_pull_secrets))
+                _pull_secrets(task, step_image_pull_secret, build.image_pull_secrets)
             return task
 
         final = on_cluster(cleanup(backend=backend, workdir=workdir, namespace=namespace, run_id=run_id))
         final.set_caching_options(False).set_display_name("clean up training job")
         with dsl.ExitHandler(final, name="train-and-evaluate"):
-            check = on_cluster(validate_params(**params, compiled_version=build.version))
-            check.set_display_name("validate parameters")
+            check = on_cluster(validate_params(**params, compiled_version=build.version,
+                                               compiled_pull_secrets=list(build.image_pull_secrets)))
+            # Never from the cache: it checks the image's version and the cluster's state, not just its inputs.
+            check.set_caching_options(False).set_display_name("validate parameters")
 
             data = on_cluster(data_prep(corpus=corpus, vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes,
                                         workdir=workdir, run_id=run_id, init_from=init_from, model=model,
@@ -156,7 +171,9 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
                 eval_batch_size=eval_batch_size, eval_max_batches=eval_max_batches,
                 min_improvement=min_improvement))
             gate.set_caching_options(False).set_display_name("evaluate checkpoint")
+            # Limits too: a profile namespace with a ResourceQuota on limits refuses a pod without them.
             gate.set_cpu_request(eval_cpu).set_memory_request(eval_memory)
+            gate.set_cpu_limit(eval_cpu).set_memory_limit(eval_memory)
             gate.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(eval_gpus)
             kubernetes.add_toleration_json(gate, tolerations)
 

@@ -210,7 +210,7 @@ def decide(candidate: Mapping[str, Any], current: Mapping[str, Any] | None, min_
     if not math.isfinite(loss):
         return Decision(False, f"not promoted: val loss is {loss}", None, cid)
     if not current:
-        return Decision(True, f"promoted: no model was promoted yet (val loss {loss:.4f})", None, cid)
+        return Decision(True, f"promoted (first model of this name; val loss {loss:.4f})", None, cid)
     who = f"the promoted model ({current.get('model')} step {current.get('step')}, run {current.get('run_id')})"
     if current.get("tokenizer_sha256") != candidate.get("tokenizer_sha256"):
         return Decision(False, f"not promoted: {who} uses another tokenizer, so val losses are not comparable; "

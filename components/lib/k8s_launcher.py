@@ -1,8 +1,9 @@
 """Idempotent, loud launcher of the train step's cluster job: a PyTorchJob (training-operator v1.9) or a
 TrainJob (Kubeflow Trainer v2.3).
 
-One implementation, `JobLauncher`, holds every guarantee below; a `JobKind` says what differs between the
-two resources (API coordinates, the success condition, which pod is rank 0, how restarts show).
+One implementation, `JobLauncher`, holds every guarantee below; a `JobKind` (`components.lib.k8s_kinds`) says
+what differs between the two resources (API coordinates, the success condition, which pod is rank 0, where the
+suspend flag is, how restarts show).
 `PyTorchJobLauncher` runs the job built by `components.lib.pytorchjob`, `TrainJobLauncher` the one built by
 `components.lib.trainjob`; both take the same `TrainJobSpec`. `PyTorchJobLauncher.run(spec)`:
 
@@ -12,7 +13,10 @@ two resources (API coordinates, the success condition, which pod is rank 0, how 
   ``Succeeded`` job is returned without resubmitting.
 - **never hangs**: the job is watched (field selector ``metadata.name``); a watch that times out or
   disconnects is re-opened from the last resourceVersion, and a ``410 Gone`` re-lists. An overall
-  deadline of ``activeDeadlineSeconds + LauncherTimings.deadline_margin_s`` deletes the job and raises.
+  deadline of ``activeDeadlineSeconds + LauncherTimings.deadline_margin_s`` deletes the job and raises; it
+  runs from the job's admission, not its submission: while Kueue keeps the job suspended (``suspend`` set,
+  ``runPolicy.suspend`` for a PyTorchJob, or a ``Suspended`` condition) it waits in its queue without one, and
+  a job suspended again (preempted) gets a new deadline when it is re-admitted.
 - **restart budget** (PyTorchJob): ``restartPolicy: ExitCode`` makes the operator delete and recreate a
   pod that exited >= 128, ignoring ``backoffLimit``. Each time it does, v1.9 sets the job condition
   ``Restarting=True``, which replaces ``Running`` (and ``Running`` replaces it when the pods are up
@@ -23,16 +27,17 @@ two resources (API coordinates, the success condition, which pod is rank 0, how 
   launcher attached and are no longer visible are not counted.
 - **restart budget** (TrainJob): the runtime's JobSet failure policy restarts the whole set for exit codes
   >= 128 and fails it for 1-127 (`components.lib.trainjob`). JobSet's ``maxRestarts`` sits in the shared
-  runtime, so the per-run budget is the launcher's own, as for PyTorchJob: it reads the JobSet's
-  ``status.restarts`` (an absolute count, so restarts before the launcher attached count too) each time the
-  TrainJob's status changes, and deletes the TrainJob when it exceeds ``spec.max_cluster_restarts``. A
+  runtime, so the per-run budget is the launcher's own, as for PyTorchJob: it reads the restart attempt JobSet
+  stamps on the pods (``jobset.sigs.k8s.io/restart-attempt``, an absolute count, so restarts before the
+  launcher attached count too) each time the TrainJob's status changes, and deletes the TrainJob when it
+  exceeds ``spec.max_cluster_restarts``. A
   TrainJob failed by JobSet's own backstop (reason ``ReachedMaxRestarts``) raises the same error.
 - **the step fails when the job fails**: ``Failed`` raises `JobFailedError` with the condition's
   reason and message, the trainer's exit code (the rank-0 container's, else any failed training
   container's) and the tail of the rank-0 log.
 - **loud**: every state transition is logged; the rank-0 pod's log (PyTorchJob Master, TrainJob node 0)
   is followed into stdout (``[<pod>] line``) in a background thread, re-attached when a restart replaces
-  the pod.
+  the pod (`components.lib.k8s_logs`).
 - **cleans up**: any other way out of `run` — deadline, restart budget, SIGTERM when the pipeline is
   cancelled, an unexpected error — deletes the job. `delete` (idempotent) serves the exit handler.
 
@@ -44,47 +49,39 @@ per resource), for the RBAC Role test to compare against.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import signal
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TextIO
+from typing import Any, ClassVar, TextIO
 
-import urllib3
-from kubeflow.training import constants
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 from kubernetes.watch import Watch
-from kubernetes.watch.watch import iter_resp_lines
 
-from components.lib import trainjob
+from components.lib.k8s_kinds import (
+    FAILED,
+    PYTORCHJOB,
+    RESTARTING,
+    TRAINJOB,
+    JobKind,
+    RestartCounter,
+    is_suspended,
+    job_state,
+    true_condition,
+)
+from components.lib.k8s_logs import DISCONNECT_ERRORS, MasterLogStreamer
 from components.lib.local_launcher import exit_name
-from components.lib.pytorchjob import CONTAINER_NAME, TrainJobSpec, build_pytorchjob, to_manifest, webhook_errors
+from components.lib.pytorchjob import TrainJobSpec
 from components.lib.signals import sigterm_raises
 
 log = logging.getLogger(__name__)
 
-GROUP = constants.GROUP
-VERSION = constants.VERSION
-PLURAL = constants.PYTORCHJOB_PLURAL
-MASTER_REPLICA_LABEL = "master"  # value of training.kubeflow.org/replica-type on the Master pod
-
-CREATED, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
-    "Created", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
-COMPLETE = "Complete"  # TrainJob's success condition
-PENDING = "Pending"  # no condition yet: the operator has not seen the job
-REACHED_MAX_RESTARTS = "ReachedMaxRestarts"  # JobSet's Failed reason when its maxRestarts is spent
-LOGGABLE_POD_PHASES = ("Running", "Succeeded", "Failed")
 HTTP_NOT_FOUND, HTTP_CONFLICT, HTTP_GONE = 404, 409, 410
 TRANSIENT_HTTP = frozenset({429, 500, 502, 503, 504})
-DISCONNECT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
 # Timeouts (seconds) for a real cluster; tests pass shorter ones.
 WATCH_TIMEOUT_S = 300
@@ -172,136 +169,44 @@ class LauncherTerminated(LauncherError):
     """The launcher received SIGTERM (the pipeline run was cancelled); the job was deleted."""
 
 
-def _true_condition(job: Mapping[str, Any], ctype: str) -> dict[str, Any] | None:
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == ctype and cond.get("status") == "True":
-            return cond
-    return None
-
-
-def job_state(job: Mapping[str, Any], succeeded: str = SUCCEEDED) -> str:
-    """``Failed``/`succeeded` if terminal, else the newest true condition's type, else ``Running`` when a
-    TrainJob's ``jobsStatus`` has active Jobs (TrainJob has no Running condition), else ``Pending``."""
-    for terminal in (FAILED, succeeded):
-        if _true_condition(job, terminal):
-            return terminal
-    status = job.get("status") or {}
-    true_types = [c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"]
-    if true_types:
-        return true_types[-1]  # the operator appends the newest condition
-    return RUNNING if any(j.get("active") for j in status.get("jobsStatus") or []) else PENDING
-
-
-class RestartCounter(Protocol):
-    """Counts one job's cluster-level restarts from its observed versions."""
-
-    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
-        """Restarts so far, and what the newest one said."""
-
-
-class ConditionRestarts:
-    """PyTorchJob: one restart per ``Restarting=True`` condition that appears or gets a new transition time."""
-
-    def __init__(self) -> None:
-        self._count, self._mark, self._message = 0, None, "-"
-
-    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
-        restarting = _true_condition(job, RESTARTING)
-        mark = str(restarting.get("lastTransitionTime")) if restarting else None
-        if mark is not None and mark != self._mark:
-            self._count += 1
-            self._message = str(restarting.get("message", "-"))
-        self._mark = mark
-        return self._count, self._message
-
-
-class JobSetRestarts:
-    """TrainJob: the JobSet's ``status.restarts``, read each time the TrainJob's status changes."""
-
-    def __init__(self, custom: k8s.CustomObjectsApi, name: str, namespace: str, timings: LauncherTimings) -> None:
-        self._custom, self._name, self._namespace, self._t = custom, name, namespace, timings
-        self._count, self._seen_status = 0, None
-
-    def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
-        status = job.get("status")
-        if status != self._seen_status:
-            self._seen_status = status
-            try:
-                jobset = self._custom.get_namespaced_custom_object(
-                    trainjob.JOBSET_GROUP, trainjob.JOBSET_VERSION, self._namespace, trainjob.JOBSET_PLURAL,
-                    self._name, _request_timeout=self._t.request_timeout_s)
-                self._count = max(self._count, int((jobset.get("status") or {}).get("restarts") or 0))
-            except ApiException as exc:
-                if exc.status != HTTP_NOT_FOUND:  # not created yet, or gone with its TTL: keep the count
-                    raise
-        return self._count, f"JobSet {self._name} recreated its pods (restart attempt {self._count})"
-
-
-@dataclass(frozen=True)
-class JobKind:
-    """What differs between the job resources the launcher runs."""
-
-    kind: str
-    group: str
-    version: str
-    plural: str
-    succeeded: str
-    """The condition type of success (``Succeeded``, ``Complete``)."""
-    container: str
-    """The training container's name in every pod."""
-    manifest: Callable[[TrainJobSpec], dict[str, Any]]
-    errors: Callable[[Mapping[str, Any]], list[str]]
-    """Admission-webhook rules checked before submitting."""
-    rank0_selector: Callable[[str], str]
-    """Label selector of the rank-0 pod, by job name."""
-    pods_selector: Callable[[str], str]
-    """Label selector of all the job's pods, by job name."""
-    restarts: Callable[[k8s.CustomObjectsApi, str, str, LauncherTimings], RestartCounter]
-    budget_reasons: frozenset[str] = frozenset()
-    """``Failed`` reasons meaning a server-side restart limit was reached."""
-
-
-def _pytorchjob_manifest(spec: TrainJobSpec) -> dict[str, Any]:
-    return to_manifest(build_pytorchjob(spec))
-
-
-def _trainjob_manifest(spec: TrainJobSpec) -> dict[str, Any]:
-    try:
-        return trainjob.to_manifest(trainjob.build_trainjob(spec))
-    except ValueError as exc:
-        raise InvalidJobError(str(exc)) from exc
-
-
-PYTORCHJOB = JobKind(
-    kind=constants.PYTORCHJOB_KIND, group=GROUP, version=VERSION, plural=PLURAL, succeeded=SUCCEEDED,
-    container=CONTAINER_NAME, manifest=_pytorchjob_manifest, errors=webhook_errors,
-    rank0_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name},{constants.REPLICA_TYPE_LABEL}={MASTER_REPLICA_LABEL}",
-    pods_selector=lambda name: f"{constants.JOB_NAME_LABEL}={name}",
-    restarts=lambda *_: ConditionRestarts())
-TRAINJOB = JobKind(
-    kind=trainjob.KIND, group=trainjob.GROUP, version=trainjob.VERSION, plural=trainjob.PLURAL, succeeded=COMPLETE,
-    container=trainjob.NODE, manifest=_trainjob_manifest, errors=trainjob.webhook_errors,
-    rank0_selector=trainjob.node0_selector, pods_selector=lambda name: f"{trainjob.JOBSET_NAME_LABEL}={name}",
-    restarts=JobSetRestarts, budget_reasons=frozenset({REACHED_MAX_RESTARTS}))
-
-
 class _JobTracker:
     """Follows one job's status: logs transitions, counts restarts, enforces the restart budget."""
 
     def __init__(self, kind: JobKind, name: str, namespace: str, max_restarts: int,
-                 counter: RestartCounter) -> None:
+                 counter: RestartCounter, budget_s: float) -> None:
         self.kind, self.name, self.namespace, self.max_restarts = kind, name, namespace, max_restarts
-        self.counter = counter
+        self.counter, self.budget_s = counter, budget_s
         self.state = "Submitted"
         self.restarts = 0
         self.conditions: list[dict[str, Any]] = []
+        self.admitted_at: float | None = None
+        """When the job was (last) admitted (monotonic); None while it waits suspended in a queue."""
+
+    def deadline(self) -> float | None:
+        """The launcher's deadline (monotonic): `budget_s` after admission; None while the job is queued.
+
+        FT: time suspended by Kueue is not training time; the operator's own activeDeadlineSeconds restarts on
+        admission too (the job's start time is reset when it resumes), so this backstop follows it."""
+        return None if self.admitted_at is None else self.admitted_at + self.budget_s
+
+    def _admission(self, job: Mapping[str, Any]) -> None:
+        suspended = is_suspended(job, self.kind.suspend_path)
+        if suspended and self.admitted_at is not None:
+            log.warning("%s %s/%s was suspended again (preempted by its queue?); its deadline restarts when it is "
+                        "admitted again", self.kind.kind, self.namespace, self.name)
+            self.admitted_at = None
+        elif not suspended and self.admitted_at is None:
+            self.admitted_at = time.monotonic()
+            log.info("%s %s/%s is admitted; the launcher's deadline is %.0f s from now (activeDeadlineSeconds + "
+                     "margin)", self.kind.kind, self.namespace, self.name, self.budget_s)
 
     def observe(self, job: Mapping[str, Any]) -> str:
         """Record one observed version of the job; return its state."""
         self.conditions = list((job.get("status") or {}).get("conditions") or [])
+        self._admission(job)
         state = job_state(job, self.kind.succeeded)
         if state != self.state:
-            cond = _true_condition(job, state) or {}
+            cond = true_condition(job, state) or {}
             # Routine progress (Created, Running, Succeeded) at INFO; a failure or a restart at WARNING.
             log.log(logging.WARNING if state in (FAILED, RESTARTING) else logging.INFO,
                     "%s %s/%s: %s -> %s (%s: %s)", self.kind.kind, self.namespace, self.name, self.state, state,
@@ -312,7 +217,7 @@ class _JobTracker:
             log.warning("%s %s/%s: cluster-level restart %d (budget %d): %s", self.kind.kind, self.namespace,
                         self.name, n, self.max_restarts, message)
         self.restarts = max(self.restarts, count)
-        reached = state == FAILED and (_true_condition(job, FAILED) or {}).get("reason") in self.kind.budget_reasons
+        reached = state == FAILED and (true_condition(job, FAILED) or {}).get("reason") in self.kind.budget_reasons
         if self.restarts > self.max_restarts or reached:
             raise RestartBudgetExceededError(
                 f"{self.kind.kind} {self.namespace}/{self.name} restarted {self.restarts} times, more than "
@@ -322,123 +227,6 @@ class _JobTracker:
 
     def terminal(self) -> bool:
         return self.state in (FAILED, self.kind.succeeded)
-
-
-class MasterLogStreamer:
-    """Follows the rank-0 pod's log into `out` in a background thread, across pod replacements."""
-
-    def __init__(self, core: k8s.CoreV1Api, name: str, namespace: str, out: TextIO,
-                 timings: LauncherTimings, kind: JobKind = PYTORCHJOB) -> None:
-        self._core, self._name, self._namespace, self._out, self._t = core, name, namespace, out, timings
-        self._selector, self._container = kind.rank0_selector(name), kind.container
-        self._tail: deque[str] = deque(maxlen=timings.log_tail_lines)
-        self._done_uids: set[str] = set()
-        self._last_line_at: dict[str, float] = {}
-        self._last_stamp: dict[str, str] = {}
-        self._finishing = threading.Event()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"master-log-{name}", daemon=True)
-
-    def __enter__(self) -> MasterLogStreamer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        self.finish(drain=exc_type is None)
-
-    def finish(self, drain: bool) -> None:
-        """Stop following; with `drain`, first let the finished pod's last lines arrive (<= log_drain_s).
-
-        An undrained stream's daemon thread ends at its next line or when the pod goes away."""
-        self._finishing.set()
-        if drain:
-            self._thread.join(self._t.log_drain_s)
-        self._stopped.set()
-        if drain and self._thread.is_alive():
-            log.warning("Master log of %s did not drain within %.0f s; stopped following it",
-                        self._name, self._t.log_drain_s)
-
-    def tail(self) -> list[str]:
-        """The last lines of the Master log seen so far."""
-        return list(self._tail)
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            pod = self._master_pod()
-            if pod is not None and pod.metadata.uid not in self._done_uids \
-                    and pod.status.phase in LOGGABLE_POD_PHASES:
-                if self._follow(pod):
-                    continue
-            elif self._finishing.is_set():
-                return
-            # Sleep, but wake at once when the job finishes (or, once finishing, when stopped).
-            (self._stopped if self._finishing.is_set() else self._finishing).wait(self._t.poll_s)
-
-    def _master_pod(self) -> k8s.V1Pod | None:
-        try:
-            pods = self._core.list_namespaced_pod(self._namespace, label_selector=self._selector,
-                                                  _request_timeout=self._t.request_timeout_s).items
-        except (ApiException, *DISCONNECT_ERRORS) as exc:
-            log.info("listing Master pods of %s failed (%s); retrying", self._name, exc)
-            return None
-        live = [p for p in pods if p.metadata.deletion_timestamp is None]
-        return max(live, key=lambda p: p.metadata.creation_timestamp, default=None)
-
-    def _follow(self, pod: k8s.V1Pod) -> bool:
-        """Stream one pod's log; True once its container has exited and the whole log was read.
-
-        Lines carry kubelet timestamps, so a reconnect skips what was already shown."""
-        pod_name, uid = pod.metadata.name, pod.metadata.uid
-        last = self._last_line_at.get(uid)
-        since = None if last is None else math.ceil(time.monotonic() - last) + 1
-        self._emit(pod_name, f"--- following the log of {pod_name} (uid {uid})"
-                   + ("" if since is None else ", reconnected") + " ---")
-        response: urllib3.HTTPResponse | None = None
-        try:
-            response = self._core.read_namespaced_pod_log(
-                pod_name, self._namespace, container=self._container, follow=True, timestamps=True,
-                since_seconds=since, _preload_content=False,
-                _request_timeout=(self._t.request_timeout_s, self._t.log_read_timeout_s))
-            for raw in iter_resp_lines(response):
-                if self._stopped.is_set():
-                    return False
-                stamp, _, line = raw.partition(" ")
-                if _stamp_key(stamp) <= self._last_stamp.get(uid, ""):
-                    continue
-                self._last_stamp[uid] = _stamp_key(stamp)
-                self._last_line_at[uid] = time.monotonic()
-                self._tail.append(line)
-                self._emit(pod_name, line)
-        except (ApiException, *DISCONNECT_ERRORS) as exc:
-            if not self._stopped.is_set():
-                log.info("log stream of %s interrupted (%s); reconnecting", pod_name, exc)
-            return False
-        finally:
-            if response is not None:
-                response.release_conn()
-        current = self._master_pod()
-        if current is not None and current.metadata.uid == uid and _container_running(current, self._container):
-            log.info("log stream of %s ended while its container runs; reconnecting", pod_name)
-            return False
-        self._done_uids.add(uid)
-        return True
-
-    def _emit(self, pod_name: str, line: str) -> None:
-        self._out.write(f"[{pod_name}] {line}\n")
-        self._out.flush()
-
-
-def _stamp_key(stamp: str) -> str:
-    """A kubelet RFC3339Nano UTC timestamp as a sortable string (its fraction drops trailing zeros)."""
-    head, _, fraction = stamp.rstrip("Z").partition(".")
-    return f"{head}.{fraction.ljust(9, '0')}"
-
-
-def _container_running(pod: k8s.V1Pod, container: str) -> bool:
-    if pod.status.phase != "Running":
-        return False
-    statuses = [s for s in pod.status.container_statuses or [] if s.name == container]
-    return not statuses or statuses[0].state is None or statuses[0].state.terminated is None
 
 
 class JobLauncher:
@@ -473,22 +261,26 @@ class JobLauncher:
     def run(self, spec: TrainJobSpec) -> JobResult:
         """Submit (or attach to) the job and wait; return on ``Succeeded``, raise otherwise."""
         kind = self.kind
-        manifest = kind.manifest(spec)
+        try:
+            manifest = kind.manifest(spec)
+        except ValueError as exc:  # a setting this kind of job cannot carry
+            raise InvalidJobError(str(exc)) from exc
         errors = kind.errors(manifest)
         if errors:
             raise InvalidJobError(f"{kind.kind} {spec.name} would be rejected:\n  - " + "\n  - ".join(errors))
         started = time.monotonic()
-        deadline = started + spec.active_deadline_seconds + self._t.deadline_margin_s
         tracker = _JobTracker(kind, spec.name, spec.namespace, spec.max_cluster_restarts,
-                              kind.restarts(self._custom, spec.name, spec.namespace, self._t))
+                              kind.restarts(self._core, spec.name, spec.namespace, self._t),
+                              spec.active_deadline_seconds + self._t.deadline_margin_s)
         with sigterm_raises(lambda: LauncherTerminated('received SIGTERM (pipeline run cancelled?)')):
             try:
                 final = self._submit(manifest, tracker)
                 if final is None:
-                    with MasterLogStreamer(self._core, spec.name, spec.namespace, self._out, self._t, kind) as logs:
-                        final = self._wait(spec.name, spec.namespace, deadline, tracker)
+                    with MasterLogStreamer(self._core, spec.name, spec.namespace, self._out, self._t,
+                                           kind.rank0_selector(spec.name), kind.container) as logs:
+                        final = self._wait(spec.name, spec.namespace, tracker)
                     if tracker.state == FAILED:
-                        cond = _true_condition(final, FAILED) or {}
+                        cond = true_condition(final, FAILED) or {}
                         raise JobFailedError(spec.name, cond.get("reason", FAILED), cond.get("message", ""),
                                              logs.tail(), self.exit_code(spec.name, spec.namespace), kind.kind)
             except JobFailedError:
@@ -604,17 +396,19 @@ class JobLauncher:
         raise LauncherError(f"{self.kind.kind} {namespace}/{name} was still being deleted after "
                             f"{self._t.delete_timeout_s:.0f} s; check for stuck finalizers or pods")
 
-    def _wait(self, name: str, namespace: str, deadline: float, tracker: _JobTracker) -> dict[str, Any]:
-        """Watch the job until it is terminal; reconnect on disconnects, re-list on 410 Gone."""
+    def _wait(self, name: str, namespace: str, tracker: _JobTracker) -> dict[str, Any]:
+        """Watch the job until it is terminal; reconnect on disconnects, re-list on 410 Gone. The deadline runs
+        from the job's admission: a job Kueue keeps suspended waits in its queue without one."""
         selector = f"metadata.name={name}"
         k = self.kind
         resource_version: str | None = None
         while True:
-            remaining = deadline - time.monotonic()
+            deadline = tracker.deadline()
+            remaining = math.inf if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceededError(
                     f"{k.kind} {namespace}/{name} is still {tracker.state} after the launcher's deadline "
-                    f"(activeDeadlineSeconds + {self._t.deadline_margin_s:.0f} s); deleting it")
+                    f"(activeDeadlineSeconds + {self._t.deadline_margin_s:.0f} s from its admission); deleting it")
             try:
                 if resource_version is None:
                     listing = self._custom.list_namespaced_custom_object(
@@ -626,7 +420,7 @@ class JobLauncher:
                     tracker.observe(listing["items"][0])
                     if tracker.terminal():
                         return listing["items"][0]
-                timeout = max(1, min(self._t.watch_timeout_s, math.ceil(remaining)))
+                timeout = max(1, min(self._t.watch_timeout_s, math.ceil(min(remaining, 1e9))))
                 for event in Watch().stream(
                         self._custom.list_namespaced_custom_object, k.group, k.version, namespace, k.plural,
                         field_selector=selector, resource_version=resource_version, timeout_seconds=timeout,

@@ -140,8 +140,12 @@ class PipelineParams:
     """Trainer image (holds this project): the training pods and every pipeline step run it. Its default is
     the image given to `python -m pipelines.compile --image`; required with backend pytorchjob."""
     image_pull_secrets: list = field(default_factory=list)
-    """Secret names the training pods pull the image with; its default (and the pipeline steps' pull secrets)
-    come from `python -m pipelines.compile --image-pull-secret`."""
+    """Secret names the training pods pull the image with; its default comes from `python -m pipelines.compile
+    --image-pull-secret` (the pipeline's own steps pull with step_image_pull_secret)."""
+    step_image_pull_secret: str = ""
+    """Secret the pipeline's own step pods pull the image with (one name: KFP takes a pull secret as a string
+    parameter, never a list). Default: the first --image-pull-secret the pipeline was compiled with; a pipeline
+    compiled without one takes none here (its steps pull with the ServiceAccount's imagePullSecrets)."""
     node_selector: dict = field(default_factory=dict)
     """nodeSelector of the training pods (the PyTorchJob) only, e.g. {"nvidia.com/gpu.product": "H100"};
     the pipeline's own steps never get it."""
@@ -158,9 +162,10 @@ class PipelineParams:
     eval_max_batches: int = 50
     """Evaluate on at most N validation batches."""
     eval_cpu: str = "4"
-    """CPU request of the evaluation step (a Kubernetes quantity); it loads the model in one process."""
+    """CPU request and limit of the evaluation step (a Kubernetes quantity); it loads the model in one process."""
     eval_memory: str = "32Gi"
-    """Memory request of the evaluation step: at least the model's weights in fp32 (8b: 32Gi) plus a batch."""
+    """Memory request and limit of the evaluation step: at least the model's weights in fp32 (8b: 32Gi) plus a
+    batch."""
     eval_gpus: int = 0
     """GPUs (nvidia.com/gpu) of the evaluation step; 0 evaluates on CPU."""
     promoted_registry: str = ""
@@ -247,6 +252,10 @@ class PipelineParams:
         if not isinstance(self.image_pull_secrets, list) or not all(
                 isinstance(s, str) and _DNS1123_LABEL.fullmatch(s) for s in self.image_pull_secrets):
             e.append(f"image_pull_secrets must be a list of Secret names (DNS-1123); got {self.image_pull_secrets!r}")
+        if not isinstance(self.step_image_pull_secret, str) or (
+                self.step_image_pull_secret and not _DNS1123_LABEL.fullmatch(self.step_image_pull_secret)):
+            e.append(f"step_image_pull_secret must be one Secret name (DNS-1123) or empty; got "
+                     f"{self.step_image_pull_secret!r}")
 
     def _check_backend(self, e: list[str]) -> None:
         if not self.workdir.startswith("/"):
@@ -330,6 +339,18 @@ class PipelineParams:
 
     def registry_path(self) -> str:
         return registry_location(self.promoted_registry, self.workdir, self.model)
+
+
+def step_pull_secret_errors(step_image_pull_secret: str, compiled_pull_secrets: list) -> list[str]:
+    """A run-time step pull secret needs a pipeline compiled with one: only then do its steps carry the
+    parameter (a pod that names no pull secret keeps its ServiceAccount's, which an empty name would stop)."""
+    if step_image_pull_secret and not compiled_pull_secrets:
+        return [f"step_image_pull_secret {step_image_pull_secret!r}: this pipeline was compiled without "
+                "--image-pull-secret, so its steps take no pull secret at run time; compile with "
+                f"`python -m pipelines.compile --image-pull-secret {step_image_pull_secret}`, or add the Secret to "
+                "the runs' ServiceAccount: kubectl patch serviceaccount default-editor -p "
+                f"'{{\"imagePullSecrets\": [{{\"name\": \"{step_image_pull_secret}\"}}]}}'"]
+    return []
 
 
 def _flavour_slug(model: str) -> str:

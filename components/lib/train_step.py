@@ -6,7 +6,9 @@ with the chosen backend, and reads what the trainer left in the run directory (s
 checkpoints) into a `TrainOutcome`. Both backends honour the same cluster-layer policy: exit >= 128 is
 restarted while ``max_cluster_restarts`` remains, 1-127 fails at once; when a backend gives up, the step
 fails and the pipeline's ``set_retry`` starts a new attempt, which resumes from the run's checkpoints
-because every path derives from ``(workdir, run_id)``.
+because every path derives from ``(workdir, run_id)``. Each attempt records its outcome (the trainer's exit
+code) in ``<run>/launcher/attempts.jsonl`` on the shared volume; a retry after a permanent code (1-127) ends
+at once without launching anything (`refuse_permanent_retry`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Protocol, TextIO
 
 from components.lib.evaluation import read_registry
 from components.lib.layout import RunLayout
+from components.lib.local_launcher import RETRYABLE_MIN, exit_name
 from components.lib.params import INIT_FROM_PROMOTED, SHARED_MOUNT, PipelineParams
 from components.lib.report import read_jsonl, summarize_ledger
 
@@ -45,6 +48,15 @@ def configure_step_logging() -> None:
 
 class TrainStepError(RuntimeError):
     """The train step cannot succeed as configured; the message says why."""
+
+
+class PermanentFailureError(TrainStepError):
+    """An earlier attempt of this run's train step ended with a permanent trainer exit code (1-127): a
+    retry cannot fix it, so this attempt ends before launching anything; `exit_code` is that code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def trainer_args(p: PipelineParams, layout: RunLayout, data_dir: str, init_from_dir: str = "") -> list[str]:
@@ -221,6 +233,18 @@ def step_attempts(layout: RunLayout) -> int:
     return sum(1 for r in records if r.get("event") == "begin")
 
 
+def permanent_failure(layout: RunLayout) -> dict[str, Any] | None:
+    """The previous attempt's end record when it failed with a permanent trainer exit code (1-127), else None.
+
+    FT: KFP's ``set_retry`` retries every failure of the step and cannot filter on the exit code; this is the
+    filter. Only the newest end record counts, and codes >= 128 (201 unhealthy node, 204 launcher lost too)
+    stay retryable by the exit-code contract."""
+    records, _ = read_jsonl(layout.launcher_dir / ATTEMPTS_FILE)
+    ends = [r for r in records if r.get("event") == "end"]
+    code = ends[-1].get("exit_code") if ends else None
+    return ends[-1] if isinstance(code, int) and 0 < code < RETRYABLE_MIN else None
+
+
 def collect_outcome(p: PipelineParams, layout: RunLayout, backend_run: BackendRun | None = None) -> TrainOutcome:
     """Read summary.json, metrics.jsonl and recovery.jsonl of a finished run."""
     summary_path = layout.run_dir / "summary.json"
@@ -254,6 +278,23 @@ def collect_outcome(p: PipelineParams, layout: RunLayout, backend_run: BackendRu
                         metrics, detail)
 
 
+def refuse_permanent_retry(layout: RunLayout, run_id: str, attempt: int, backend: str) -> None:
+    """Raise `PermanentFailureError` (recorded, so later retries end the same way) when the previous attempt
+    of this run failed for good; it names the code and what to do, in one line."""
+    failed = permanent_failure(layout)
+    if failed is None:
+        return
+    code = int(failed["exit_code"])
+    origin = failed.get("failed_attempt", failed.get("attempt", "?"))  # the attempt that ran the job
+    message = (f"[train] not relaunching: attempt {origin} of run {run_id} ended with exit "
+               f"{exit_name(code)}, which a retry cannot fix; fix the cause and start a new run (to retry this "
+               f"run anyway, delete {layout.launcher_dir / ATTEMPTS_FILE})")
+    _record_attempt(layout, {"event": "begin", "attempt": attempt, "backend": backend, "skipped": True})
+    _record_attempt(layout, {"event": "end", "attempt": attempt, "ok": False, "exit_code": code,
+                             "failed_attempt": origin, "error": f"not relaunched after exit {code} of attempt {origin}"})
+    raise PermanentFailureError(message, code)
+
+
 def run_train(p: PipelineParams, run_id: str, data_dir: str, backend: TrainBackend | None = None,
               out: TextIO = sys.stdout) -> TrainOutcome:
     """Validate, run the backend, and collect the outcome; raises when training failed."""
@@ -263,6 +304,7 @@ def run_train(p: PipelineParams, run_id: str, data_dir: str, backend: TrainBacke
     for d in (layout.run_dir, layout.checkpoint_dir, layout.launcher_dir):
         d.mkdir(parents=True, exist_ok=True)
     attempt = step_attempts(layout) + 1
+    refuse_permanent_retry(layout, run_id, attempt, backend.name)
     resuming = any(layout.checkpoint_dir.iterdir())
     out.write(f"[train] run {run_id}, attempt {attempt} of the train step, backend {backend.name}; "
               f"{'resuming from ' + str(layout.checkpoint_dir) if resuming else 'no checkpoint yet'}\n")
@@ -271,7 +313,9 @@ def run_train(p: PipelineParams, run_id: str, data_dir: str, backend: TrainBacke
     try:
         run = backend.run(p, layout, args, out)
     except BaseException as exc:
+        code = getattr(exc, "exit_code", None)  # the trainer's, from JobFailedError or LocalLaunchError
         _record_attempt(layout, {"event": "end", "attempt": attempt, "ok": False,
+                                 "exit_code": code if isinstance(code, int) else None,
                                  "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
         raise
     _record_attempt(layout, {"event": "end", "attempt": attempt, "ok": True, "relaunches": run.relaunches})

@@ -11,8 +11,8 @@ Two resources, both built only from the ``kubeflow_trainer_api`` models (PyPI ``
   file equal to this function's output).
 - `build_trainjob` turns the same `TrainJobSpec` the PyTorchJob backend takes into a ``TrainJob`` that
   references the runtime: image, args, nodes, ranks per node, resources and env in ``spec.trainer``; the
-  per-run volume (PVC name, /dev/shm size), node selector, tolerations and service account in a
-  ``runtimePatches`` entry of ours.
+  per-run volume (PVC name, /dev/shm size), node selector, tolerations, service account and image pull
+  secrets in a ``runtimePatches`` entry of ours.
 
 The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend):
 
@@ -26,7 +26,7 @@ The exit-code contract as a failure policy (FT: the cluster recovery layer for t
 - The restart *budget* is the launcher's own (``max_cluster_restarts``, per run), as for PyTorchJob: JobSet's
   ``maxRestarts`` lives in the shared runtime and cannot be patched per TrainJob, so it is set to the largest
   budget the pipeline accepts (`MAX_RESTARTS`) as a server-side backstop, and the launcher counts JobSet's
-  ``status.restarts`` and deletes the TrainJob when the run's budget is spent.
+  restarts (the ``restart-attempt`` label of the pods) and deletes the TrainJob when the run's budget is spent.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
-JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+"""JobSet's restart count when it created the pod (its ``status.restarts`` then): the launcher's restart count."""
 DEFAULT_PULL_POLICY = "IfNotPresent"
 DEFAULT_SHM_SIZE = "1Gi"
 
@@ -184,7 +185,9 @@ def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels=_labels(spec)),
         spec=m.TrainerV1alpha1PodSpecPatch(
             volumes=_volumes(str(spec.pvc_name), spec.shm_size), node_selector=dict(spec.node_selector) or None,
-            tolerations=tolerations or None, service_account_name=spec.service_account))
+            tolerations=tolerations or None, service_account_name=spec.service_account,
+            image_pull_secrets=[m.IoK8sApiCoreV1LocalObjectReference(name=n) for n in spec.image_pull_secrets]
+            or None))
     node = m.TrainerV1alpha1ReplicatedJobPatch(
         name=NODE, template=m.TrainerV1alpha1JobTemplatePatch(spec=m.TrainerV1alpha1JobSpecPatch(template=pod)))
     return m.TrainerV1alpha1RuntimePatch(
@@ -236,9 +239,6 @@ def webhook_errors(manifest: Mapping[str, Any]) -> list[str]:
     reserved = sorted({e.get("name") for e in trainer.get("env") or []} & set(TORCH_RESERVED_ENV))
     if reserved:
         errors.append(f"spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: {reserved}")
-    nproc = trainer.get("numProcPerNode")
-    if isinstance(nproc, str) and nproc not in ("auto", "cpu", "gpu"):
-        errors.append(f"spec.trainer.numProcPerNode: Invalid value {nproc!r}: must have an int value or [auto cpu gpu]")
     for patch in spec.get("runtimePatches") or []:
         jobs = ((((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {})
                 .get("replicatedJobs") or [])

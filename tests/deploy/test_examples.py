@@ -10,6 +10,7 @@ import shlex
 from types import SimpleNamespace
 
 import kfp
+import kfp_server_api
 import pytest
 from deploy_checks import DEPLOY, REPO
 
@@ -24,6 +25,15 @@ REAL_CLIENT = kfp.Client
 ENTRYPOINTS = {"pipelines.cli": cli.main, "pipelines.compile": compile_cli.main}
 
 
+class HealthzApi:
+    """kfp_server_api's HealthzServiceApi without a server: a multi-user KFP."""
+
+    def healthz_service_get_healthz(self, *args, **kwargs):
+        inspect.signature(kfp_server_api.HealthzServiceApi.healthz_service_get_healthz).bind(self, *args, **kwargs)
+        SignatureCheckingClient.calls.append(("healthz", kwargs))
+        return SimpleNamespace(multi_user=True)
+
+
 class SignatureCheckingClient:
     """kfp.Client without a server: every call must bind to the real method's signature."""
 
@@ -32,6 +42,7 @@ class SignatureCheckingClient:
     def __init__(self, *args, **kwargs):
         inspect.signature(REAL_CLIENT.__init__).bind(self, *args, **kwargs)
         self.calls.append(("__init__", kwargs))
+        self._healthz_api = HealthzApi()  # what the CLI's one health probe calls, as kfp.Client has it
 
     def __getattr__(self, method):
         real = getattr(REAL_CLIENT, method)

@@ -16,6 +16,19 @@ from deploy_checks import BACKEND_OF, DEPLOY, OVERLAYS, REPO, render, the
 STUB = REPO / "tests" / "launcher" / "k8s_stub.py"
 CLUSTER_WIDE = {"ClusterRole", "ClusterRoleBinding"}
 RUNS_AS = "default-editor"  # the Kubeflow profile's ServiceAccount that pipeline steps run as
+#: What a Kubeflow profile owner holds in the namespace (ClusterRole kubeflow-admin, which aggregates
+#: kubeflow-edit: Kubernetes' pods and pods/log through kubeflow-kubernetes-edit/view, the training-operator's
+#: pytorchjobs, Trainer v2's trainjobs), for the resources the launcher touches. Kubernetes lets a user create a
+#: Role only with permissions they hold themselves (RBAC escalation check), so the Role must stay inside this.
+#: JobSets are not in it: Trainer v2 aggregates no jobsets rule into kubeflow-edit/admin.
+PROFILE_OWNER_HOLDS = {
+    ("", "pods"): {"get", "list", "watch", "create", "delete", "deletecollection", "patch", "update"},
+    ("", "pods/log"): {"get", "list", "watch"},
+    ("kubeflow.org", "pytorchjobs"): {"get", "list", "watch", "create", "delete", "deletecollection", "patch",
+                                      "update"},
+    ("trainer.kubeflow.org", "trainjobs"): {"get", "list", "watch", "create", "delete", "deletecollection",
+                                            "patch", "update"},
+}
 
 
 def derived_permissions(backend: str) -> set[tuple[str, str, str]]:
@@ -74,6 +87,16 @@ def test_role_grants_exactly_what_the_launcher_uses(overlay, launcher_needs):
     assert [b["subjects"] for b in objects if b["kind"] == "RoleBinding"] == [
         [{"kind": "ServiceAccount", "name": RUNS_AS, "namespace": role["metadata"]["namespace"]}]
     ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_profile_owner_can_apply_the_role(overlay):
+    """Everything under overlays/ is for a namespace admin (a Kubeflow profile owner): the Role may grant only
+    what that owner holds, or `kubectl apply` is refused (forbidden: attempting to grant RBAC permissions not
+    currently held). What needs more goes under deploy/cluster/ for a cluster admin."""
+    role = the(render(DEPLOY / "overlays" / overlay), "Role", "train-launcher")
+    beyond = sorted(t for t in granted(role) if t[2] not in PROFILE_OWNER_HOLDS.get(t[:2], set()))
+    assert not beyond, f"a profile owner cannot grant {beyond}: read it another way or move it to deploy/cluster/"
 
 
 def test_runs_are_submitted_as_the_account_the_role_is_bound_to():

@@ -54,7 +54,8 @@ CASES = {
         nodes=4, nproc_per_node=8, gpus_per_node=8, memory_request="512Gi", memory_limit="1Ti", shm_size="64Gi",
         node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"}, env={"NCCL_DEBUG": "WARN"},
         tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        labels={KUEUE_LABEL: "train-queue"}, service_account="trainer", ft_max_restarts=5),
+        labels={KUEUE_LABEL: "train-queue"}, service_account="trainer", ft_max_restarts=5,
+        image_pull_secrets=["regcred", "mirror-cred"]),
 }
 
 
@@ -86,6 +87,8 @@ def test_trainjob_validates_and_carries_the_run(case):
     assert pod.get("nodeSelector", {}) == dict(spec.node_selector)
     assert pod.get("tolerations", []) == [dict(t) for t in spec.tolerations]
     assert pod.get("serviceAccountName") == spec.service_account
+    # A private registry: the pods pull with the run's secrets (the PyTorchJob backend's pod spec has them too).
+    assert pod.get("imagePullSecrets", []) == [{"name": n} for n in spec.image_pull_secrets]
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -109,6 +112,20 @@ def test_crd_validation_catches_unknown_and_mistyped_fields():
     manifest["spec"]["activeDeadlineSeconds"] = "1h"
     with pytest.raises(AssertionError, match="activeDeadlineSeconds"):
         validate_custom(manifest)
+
+
+def test_num_proc_per_node_is_the_crds_int32_only():
+    """v2.3 types numProcPerNode as int32: the builder writes an int, the CRD refuses a string ('auto' was
+    Trainer < 2.3's), and the pre-submit rules do not claim otherwise."""
+    manifest = trainjob.to_manifest(trainjob.build_trainjob(spec_for("trainjob", nproc_per_node=4)))
+    assert manifest["spec"]["trainer"]["numProcPerNode"] == 4
+    for stale in ("auto", "gpu", "4"):
+        manifest["spec"]["trainer"]["numProcPerNode"] = stale
+        with pytest.raises(AssertionError, match="numProcPerNode"):
+            validate_custom(manifest)
+        assert not [e for e in trainjob.webhook_errors(manifest) if "numProcPerNode" in e]
+    manifest["spec"]["trainer"]["numProcPerNode"] = "8x"
+    assert not [e for e in trainjob.webhook_errors(manifest) if "numProcPerNode" in e]
 
 
 def test_webhook_rules_reject_reserved_env_and_unknown_jobs():

@@ -3,24 +3,24 @@
 `StubCluster` serves, on 127.0.0.1 (a free port, `http.server.ThreadingHTTPServer` in a thread), just
 what `components.lib.k8s_launcher` calls, for one backend: ``kubeflow.org/v1`` ``pytorchjobs`` or
 ``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (namespaced create/get/list/watch (``?watch=true``, chunked
-JSON lines)/delete), ``jobset.x-k8s.io/v1alpha2`` ``jobsets`` get (the JobSet a TrainJob owns, for its
-``status.restarts``); ``pods`` list; ``pods/log`` (follow, chunked). A `Scenario` plays the operator:
+JSON lines)/delete); ``pods`` list; ``pods/log`` (follow, chunked). A `Scenario` plays the operator:
 after each create it applies its actions in order (conditions, rank-0 pods that start, log and exit), and
 it scripts watch disconnects, ``410 Gone`` and a pre-existing job from an earlier attempt.
 
 The actions are written once for both backends; the stub's `_Flavour` says how each operator shows them.
 PyTorchJob: conditions as training-operator v1.9 sets them, pod ``<job>-master-0``. TrainJob: what the
 trainer reflects of its JobSet — ``jobsStatus`` per replicated job while it runs, ``Complete``/``Failed``
-conditions with JobSet's reasons at the end, the JobSet's ``status.restarts``; pods
-``<job>-node-0-0-<attempt>`` labelled as JobSet labels them (``restart-attempt`` included).
+conditions with JobSet's reasons at the end; pods ``<job>-node-0-0-<attempt>`` labelled as JobSet labels them
+(``restart-attempt``, JobSet's restart count when it made the pod, included).
 `master_fails` lets the operator decide from the exit code: ``restartPolicy: ExitCode`` for PyTorchJob, and
 for TrainJob the failure policy of the ClusterTrainingRuntime that `components.lib.trainjob` builds,
 evaluated by `jobset_action` as the Job and JobSet controllers would.
 
-Every request is recorded as (method, path) and mapped to the RBAC triple (apiGroup, resource
-[/subresource], verb). `launcher_permissions()` runs representative launcher scenarios against the stub
-and returns the set of triples the launcher used; `rbac_rules()` groups them per resource. A Role test
-(``deploy/``) compares its rules with these, so the Role follows the code rather than a list typed by hand.
+The HTTP side lives in `k8s_stub_http`: it records every request as (method, path) and maps it to the RBAC
+triple (apiGroup, resource[/subresource], verb). `launcher_permissions()` runs representative launcher
+scenarios against the stub and returns the set of triples the launcher used; `rbac_rules()` groups them per
+resource. A Role test (``deploy/``) compares its rules with these, so the Role follows the code rather than a
+list typed by hand.
 """
 
 from __future__ import annotations
@@ -28,19 +28,18 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import re
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s
+
+from k8s_stub_http import WAIT_SLICE_S, _Handler
 
 from components.lib import trainjob
 from components.lib.k8s_launcher import JobLauncher, LauncherError, LauncherTimings, PyTorchJobLauncher, TrainJobLauncher
@@ -50,19 +49,13 @@ STEP_DELAY_S = 0.05
 """Pause between two scenario actions, so the launcher sees each state."""
 DELETE_DELAY_S = 0.2
 """How long a foreground-deleted job lingers with a deletionTimestamp."""
-WAIT_SLICE_S = 0.05
-"""Granularity of the server's blocking waits (so it notices shutdown)."""
 FAST_TIMINGS = LauncherTimings(watch_timeout_s=2, request_timeout_s=5.0, stream_grace_s=2.0, deadline_margin_s=1.0,
                                delete_timeout_s=5.0, poll_s=0.05, log_read_timeout_s=5.0, log_drain_s=3.0,
                                log_tail_lines=20)
 SWEEP_TIMINGS = replace(FAST_TIMINGS, deadline_margin_s=0.2)
 """For `launcher_permissions`: its deadline scenario need not wait long."""
 
-_JOBS = re.compile(r"^/apis/(kubeflow\.org|trainer\.kubeflow\.org)/(?:v1|v1alpha1)/namespaces/([^/]+)/"
-                   r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
-_JOBSETS = re.compile(r"^/apis/(jobset\.x-k8s\.io)/v1alpha2/namespaces/([^/]+)/(jobsets)(?:/([^/]+))?$")
 BACKENDS = ("pytorchjob", "trainjob")
-_PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
 
 Action = Callable[["StubCluster", str, str], None]
 """One scripted operator step applied to job (namespace, name)."""
@@ -125,6 +118,21 @@ def finishing(*lines: str) -> list[Action]:
     return [master_up(*lines), master_exit(0), condition("Succeeded")]
 
 
+def pause(seconds: float) -> Action:
+    """Nothing happens for `seconds` (a job waiting in a queue)."""
+    return lambda cluster, ns, name: time.sleep(seconds)
+
+
+def admitted() -> Action:
+    """Kueue admits the job: it clears the suspend flag, and the operator reports the job resumed."""
+    return lambda cluster, ns, name: cluster.set_suspended(ns, name, False)
+
+
+def suspended() -> Action:
+    """Kueue suspends the job again (preempted by a higher-priority workload): flag set, condition Suspended."""
+    return lambda cluster, ns, name: cluster.set_suspended(ns, name, True)
+
+
 def running_forever() -> list[Action]:
     """Created -> Running, and nothing after."""
     return [condition("Created"), master_up("training..."), condition("Running")]
@@ -146,6 +154,8 @@ class Scenario:
     """A job of the launched name already exists in this state (an earlier attempt); put it with
     `StubCluster.put_job`. The actions play on an existing ``Running`` job, else on the next created one."""
     delete_delay_s: float = DELETE_DELAY_S
+    suspend_on_create: bool = False
+    """A created job arrives with its suspend flag set, as Kueue's webhook sets it for a queued job."""
 
 
 @dataclass
@@ -167,6 +177,10 @@ class _Flavour:
     job_label: str
     """Pod label naming the job."""
 
+    @property
+    def suspend_path(self) -> tuple[str, ...]:
+        return ("spec", "runPolicy", "suspend") if self.plural == "pytorchjobs" else ("spec", "suspend")
+
     def pod_name(self, job: str, attempt: int) -> str:
         return f"{job}-master-0" if self.plural == "pytorchjobs" else f"{job}-node-0-0-{attempt:05d}"
 
@@ -175,7 +189,7 @@ class _Flavour:
             return {self.job_label: job, "training.kubeflow.org/replica-type": "master",
                     "training.kubeflow.org/replica-index": "0"}
         return {self.job_label: job, trainjob.REPLICATED_JOB_LABEL: trainjob.NODE, trainjob.JOB_INDEX_LABEL: "0",
-                trainjob.COMPLETION_INDEX_LABEL: "0", "jobset.sigs.k8s.io/restart-attempt": str(attempt)}
+                trainjob.COMPLETION_INDEX_LABEL: "0", trainjob.RESTART_ATTEMPT_LABEL: str(attempt)}
 
 
 FLAVOURS = {
@@ -220,6 +234,7 @@ class StubCluster:
         self.runtime = trainjob.to_manifest(trainjob.build_runtime())
         """The ClusterTrainingRuntime whose failure policy the TrainJob "operator" applies."""
         self.jobset_restarts: dict[tuple[str, str], int] = {}
+        """The JobSet's ``status.restarts`` per TrainJob: the restart-attempt label of the pods it makes next."""
         self.exit_codes: dict[tuple[str, str], int] = {}
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
@@ -271,6 +286,8 @@ class StubCluster:
         job = json.loads(json.dumps(manifest))
         job["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now())
         job["status"] = {"conditions": []}
+        if self.scenario.suspend_on_create and state is None:
+            self._suspend_flag(job, True)
         with self.changed:
             self.jobs[(meta["namespace"], meta["name"])] = job
             self.jobset_restarts[(meta["namespace"], meta["name"])] = 0
@@ -314,6 +331,27 @@ class StubCluster:
                     c["status"] = "False"
             conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,
                           "lastUpdateTime": now, "lastTransitionTime": now})
+            job["status"]["conditions"] = conds
+            self._bump("MODIFIED", job)
+
+    def _suspend_flag(self, job: dict[str, Any], value: bool) -> None:
+        *parents, key = self.flavour.suspend_path
+        node = job
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = value
+
+    def set_suspended(self, ns: str, name: str, value: bool) -> None:
+        """Kueue sets or clears the job's suspend flag; the operator mirrors it in condition ``Suspended``
+        (True while suspended, False with reason ``Resumed`` once admitted), as both operators do."""
+        prefix = "PyTorchJob" if self.backend == "pytorchjob" else ""
+        with self.changed:
+            job = self.jobs[(ns, name)]
+            self._suspend_flag(job, value)
+            conds = [c for c in job["status"]["conditions"] if c["type"] != "Suspended"]
+            conds.append({"type": "Suspended", "status": "True" if value else "False",
+                          "reason": f"{prefix}{'Suspended' if value else 'Resumed'}",
+                          "message": "suspended by its queue" if value else "admitted", "lastTransitionTime": _now()})
             job["status"]["conditions"] = conds
             self._bump("MODIFIED", job)
 
@@ -444,234 +482,6 @@ class StubCluster:
                     return False
                 self.changed.wait(WAIT_SLICE_S)
         return True
-
-
-def _rbac(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
-    """The (apiGroup, resource[/subresource], verb) an API server authorizes a request as."""
-    if m := (_JOBS.match(path) or _JOBSETS.match(path)):
-        group, resource, item = m.group(1), m.group(3), m.group(4)
-    elif m := _PODS.match(path):
-        group, resource, item = "", "pods" + ("/log" if m.group(3) else ""), m.group(2)
-    else:
-        return ("?", path, method.lower())
-    if method == "GET":
-        verb = "get" if item else ("watch" if _flag(query, "watch") else "list")
-    else:
-        verb = {"POST": "create", "PUT": "update", "PATCH": "patch",
-                "DELETE": "delete" if item else "deletecollection"}[method]
-    return (group, resource, verb)
-
-
-def _flag(query: dict[str, str], name: str) -> bool:
-    """A boolean query parameter as the API server parses it (the Python client sends "True")."""
-    return query.get(name, "").lower() in ("true", "1")
-
-
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: ThreadingHTTPServer
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep test output quiet
-        pass
-
-    @property
-    def stub(self) -> StubCluster:
-        return self.server.stub  # type: ignore[attr-defined]
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    def _dispatch(self, method: str) -> None:
-        url = urlsplit(self.path)
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length)) if length else {}
-        self.stub.requests.append((method, url.path, _rbac(method, url.path, query)))
-        if (m := _JOBS.match(url.path)) and m.group(3) == self.stub.flavour.plural:
-            self._jobs(method, m.group(2), m.group(4), query, body)
-        elif (m := _JOBSETS.match(url.path)) and method == "GET" and m.group(4) and self.stub.backend == "trainjob":
-            self._jobset(m.group(2), m.group(4))
-        elif (m := _PODS.match(url.path)) and method == "GET":
-            if m.group(3):
-                self._log(m.group(1), m.group(2), query)
-            elif m.group(2) is None:
-                self._list_pods(m.group(1), query)
-            else:
-                self._json(405, _status(405, "MethodNotAllowed", "not served by the stub"))
-        else:
-            self._json(404, _status(404, "NotFound", f"the stub does not serve {method} {url.path}"))
-
-    # --- pytorchjobs -----------------------------------------------------------------------------
-    def _jobs(self, method: str, ns: str, name: str | None, query: dict[str, str], body: dict[str, Any]) -> None:
-        stub = self.stub
-        if method == "POST" and name is None:
-            key = (ns, body["metadata"]["name"])
-            with stub.changed:
-                exists = key in stub.jobs
-            if exists:
-                self._json(409, _status(409, "AlreadyExists", f'{stub.flavour.plural}.{stub.flavour.group} '
-                                                              f'"{key[1]}" already exists'))
-                return
-            stub.created.append(key[1])
-            self._json(201, stub.put_job(body))
-        elif method == "GET" and name is not None:
-            with stub.changed:
-                job = stub.jobs.get((ns, name))
-            self._json(200, job) if job else self._not_found(name)
-        elif method == "GET" and _flag(query, "watch"):
-            self._watch(ns, query)
-        elif method == "GET":
-            with stub.changed:
-                items = [j for (n, _), j in stub.jobs.items() if n == ns and _selected(j, query)]
-                rv = str(stub.events[-1][0]) if stub.events else "1"
-            self._json(200, {"apiVersion": items[0]["apiVersion"] if items else stub.flavour.group,
-                             "kind": stub.flavour.list_kind,
-                             "metadata": {"resourceVersion": rv}, "items": items})
-        elif method == "DELETE" and name is not None:
-            foreground = (query.get("propagationPolicy") or body.get("propagationPolicy")) == "Foreground"
-            job = stub.delete_job(ns, name, foreground)
-            self._json(200, job) if job else self._not_found(name)
-        else:
-            self._json(405, _status(405, "MethodNotAllowed", "not served by the stub"))
-
-    def _watch(self, ns: str, query: dict[str, str]) -> None:
-        stub, scenario = self.stub, self.stub.scenario
-        end = time.monotonic() + int(query.get("timeoutSeconds", "30"))
-        since = query.get("resourceVersion")
-        self._start_chunked()
-        if since and scenario.watch_gone > 0:
-            scenario.watch_gone -= 1
-            self._chunk({"type": "ERROR", "object": _status(410, "Expired", "too old resource version")})
-            self._end_chunked()
-            return
-        cut = scenario.watch_disconnects > 0
-        scenario.watch_disconnects -= cut
-        with stub.changed:
-            if since:
-                cursor = int(since)
-            else:  # no resourceVersion: synthetic ADDED events for the current objects
-                cursor = stub.events[-1][0] if stub.events else 0
-                for (n, _), job in stub.jobs.items():
-                    if n == ns and _selected(job, query):
-                        self._chunk({"type": "ADDED", "object": job})
-        while time.monotonic() < end and not stub.stopping.is_set():
-            with stub.changed:
-                pending = [(rv, t, o) for rv, t, o in stub.events
-                           if rv > cursor and o["metadata"]["namespace"] == ns and _selected(o, query)]
-                cursor = stub.events[-1][0] if stub.events else cursor
-                if not pending:
-                    stub.changed.wait(WAIT_SLICE_S)
-            for _, etype, obj in pending:
-                self._chunk({"type": etype, "object": obj})
-                if cut:
-                    self._cut()
-                    return
-        self._end_chunked()
-
-    def _not_found(self, name: str, plural: str = "") -> None:
-        plural = plural or f"{self.stub.flavour.plural}.{self.stub.flavour.group}"
-        self._json(404, _status(404, "NotFound", f'{plural} "{name}" not found'))
-
-    def _jobset(self, ns: str, name: str) -> None:
-        """The JobSet the trainer made for TrainJob `name`: only what the launcher reads (status.restarts)."""
-        with self.stub.changed:
-            exists = (ns, name) in self.stub.jobs
-            restarts = self.stub.jobset_restarts.get((ns, name), 0)
-        if not exists:
-            self._not_found(name, "jobsets.jobset.x-k8s.io")
-            return
-        self._json(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                         "metadata": {"name": name, "namespace": ns},
-                         "status": {"restarts": restarts, "restartsCountTowardsMax": restarts}})
-
-    # --- pods ----------------------------------------------------------------------------------
-    def _list_pods(self, ns: str, query: dict[str, str]) -> None:
-        wanted = dict(kv.split("=", 1) for kv in query.get("labelSelector", "").split(",") if kv)
-        with self.stub.changed:
-            items = [p for (n, _), p in self.stub.pods.items()
-                     if n == ns and all(p["metadata"]["labels"].get(k) == v for k, v in wanted.items())]
-        self._json(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"},
-                         "items": items})
-
-    def _log(self, ns: str, pod_name: str, query: dict[str, str]) -> None:
-        """Serves follow=true only (all the launcher asks for)."""
-        stub = self.stub
-        with stub.changed:
-            pod = stub.pods.get((ns, pod_name))
-            if pod is None:
-                self._json(404, _status(404, "NotFound", f'pods "{pod_name}" not found'))
-                return
-            log = stub.logs[pod["metadata"]["uid"]]
-        since = float(query["sinceSeconds"]) if "sinceSeconds" in query else None
-        sent = 0 if since is None else sum(1 for t, _, _ in log.lines if t < time.monotonic() - since)
-        stamps = _flag(query, "timestamps")
-        cut = stub.scenario.log_disconnects > 0
-        stub.scenario.log_disconnects -= cut
-        self._start_chunked()
-        while not stub.stopping.is_set():
-            with stub.changed:
-                fresh, closed = log.lines[sent:], log.closed
-                if not fresh and not closed:
-                    stub.changed.wait(WAIT_SLICE_S)
-            for _, stamp, line in fresh:
-                self._write_chunk((f"{stamp} {line}\n" if stamps else f"{line}\n").encode())
-                if cut:
-                    self._cut()
-                    return
-            sent += len(fresh)
-            if closed and not fresh:
-                break
-        self._end_chunked()
-
-    # --- wire helpers --------------------------------------------------------------------------
-    def _send(self, code: int, ctype: str, data: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _json(self, code: int, obj: dict[str, Any]) -> None:
-        self._send(code, "application/json", json.dumps(obj).encode())
-
-    def _start_chunked(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-
-    def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def _chunk(self, event: dict[str, Any]) -> None:
-        self._write_chunk(json.dumps(event).encode() + b"\n")
-
-    def _end_chunked(self) -> None:
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
-
-    def _cut(self) -> None:
-        """Drop the connection mid-stream, as a broken network or a restarted API server does."""
-        self.close_connection = True
-        self.wfile.flush()
-        self.connection.shutdown(socket.SHUT_RDWR)
-
-
-def _selected(job: dict[str, Any], query: dict[str, str]) -> bool:
-    selector = query.get("fieldSelector", "")
-    return not selector.startswith("metadata.name=") or job["metadata"]["name"] == selector.split("=", 1)[1]
 
 
 # --- permissions --------------------------------------------------------------------------------

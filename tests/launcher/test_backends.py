@@ -15,6 +15,7 @@ from k8s_stub import (
     BACKENDS,
     Scenario,
     StubCluster,
+    admitted,
     condition,
     finishing,
     jobset_action,
@@ -24,12 +25,19 @@ from k8s_stub import (
     master_fails,
     master_log,
     master_up,
+    pause,
     running_forever,
     succeeding,
+    suspended,
 )
 
 from components.lib import trainjob
-from components.lib.k8s_launcher import JobFailedError, LauncherTerminated, RestartBudgetExceededError
+from components.lib.k8s_launcher import (
+    DeadlineExceededError,
+    JobFailedError,
+    LauncherTerminated,
+    RestartBudgetExceededError,
+)
 from components.lib.pytorchjob import TrainJobSpec, job_name
 from trainer.exitcodes import ExitCode, is_retryable
 
@@ -143,6 +151,41 @@ def test_reattach_after_the_launchers_pod_restarts(backend: str) -> None:
     assert "resumed from step 40" in out.getvalue()
 
 
+QUEUED_S = 3.0
+"""Longer than the whole launcher deadline of `_spec(active_deadline_seconds=1)` (1 s + the 1 s margin)."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_deadline_starts_when_the_queue_admits_the_job(backend: str) -> None:
+    """Kueue creates the job suspended and admits it later: the time in the queue is not training time."""
+    spec, out = _spec(active_deadline_seconds=1), io.StringIO()
+    actions = [pause(QUEUED_S), admitted()] + _started("step 1") + [master_exit(0), condition("Succeeded")]
+    with StubCluster(Scenario(actions, suspend_on_create=True), backend) as cluster:
+        result = cluster.launcher(out).run(spec)
+        assert cluster.deleted == []
+    assert result.state in ("Succeeded", "Complete") and "step 1" in out.getvalue()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_job_suspended_again_gets_a_new_deadline_when_readmitted(backend: str) -> None:
+    spec = _spec(active_deadline_seconds=1)
+    actions = [admitted(), pause(1.2), suspended(), pause(QUEUED_S), admitted()] + _started() + [
+        master_exit(0), condition("Succeeded")]
+    with StubCluster(Scenario(actions, suspend_on_create=True), backend) as cluster:
+        assert cluster.launcher().run(spec).restarts == 0
+        assert cluster.deleted == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_admitted_job_still_has_its_deadline(backend: str) -> None:
+    spec = _spec(active_deadline_seconds=1)
+    with StubCluster(Scenario([pause(0.5), admitted()] + running_forever(), suspend_on_create=True),
+                     backend) as cluster:
+        with pytest.raises(DeadlineExceededError, match="from its admission"):
+            cluster.launcher().run(spec)
+        assert cluster.deleted == [(spec.name, True)]
+
+
 def test_runtime_failure_policy_never_restarts_a_permanent_code() -> None:
     runtime = trainjob.to_manifest(trainjob.build_runtime())
     for code in range(1, 256):
@@ -154,8 +197,7 @@ def test_trainjob_permissions() -> None:
     assert launcher_permissions("trainjob") == {
         ("trainer.kubeflow.org", "trainjobs", "create"), ("trainer.kubeflow.org", "trainjobs", "get"),
         ("trainer.kubeflow.org", "trainjobs", "list"), ("trainer.kubeflow.org", "trainjobs", "watch"),
-        ("trainer.kubeflow.org", "trainjobs", "delete"), ("jobset.x-k8s.io", "jobsets", "get"),
-        ("", "pods", "list"), ("", "pods/log", "get")}
+        ("trainer.kubeflow.org", "trainjobs", "delete"), ("", "pods", "list"), ("", "pods/log", "get")}
 
 
 def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
@@ -173,11 +215,13 @@ def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:
 
 
 def test_trainjob_counts_restarts_from_before_the_launcher_attached() -> None:
-    """JobSet's restart count is absolute: a re-attaching launcher sees a budget already spent."""
+    """JobSet's restart count is absolute, and so is the restart-attempt label it puts on the pods it makes:
+    a re-attaching launcher sees a budget already spent, with no right beyond pods: list."""
     spec = _spec(max_cluster_restarts=1)
     with StubCluster(Scenario(), "trainjob") as cluster:
         cluster.put_job(manifest_for(spec, "trainjob"), "Running")
         cluster.jobset_restarts[(NS, spec.name)] = 2
+        cluster.start_master(NS, spec.name, ["attempt 2 runs"])  # pod labelled restart-attempt=2
         with pytest.raises(RestartBudgetExceededError, match="restarted 2 times, more than max_cluster_restarts=1"):
             cluster.launcher().run(spec)
         assert cluster.deleted == [(spec.name, True)]

@@ -26,7 +26,7 @@ from k8s_stub import (
     succeeding,
 )
 
-from components.lib import k8s_launcher
+from components.lib import k8s_kinds
 from components.lib.k8s_launcher import (
     DeadlineExceededError,
     InvalidJobError,
@@ -186,7 +186,7 @@ def test_manifest_breaking_a_webhook_rule_is_refused_before_any_request(monkeypa
         manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "main"
         return manifest
 
-    monkeypatch.setattr(k8s_launcher, "to_manifest", misnamed)
+    monkeypatch.setattr(k8s_kinds, "to_manifest", misnamed)
     with StubCluster(Scenario(succeeding())) as cluster:
         with pytest.raises(InvalidJobError, match="a container named 'pytorch'"):
             cluster.launcher().run(_spec())

@@ -1,6 +1,7 @@
 """``python -m pipelines.cli``: cron and parameter validation, and the kfp.Client calls (a fake client)."""
 
 import http.server
+import logging
 import socket
 import threading
 from types import SimpleNamespace
@@ -58,9 +59,15 @@ class FakeClient:
     """Stands in for kfp.Client: records the constructor's arguments and the API calls; no network."""
 
     calls: list = []
+    multi_user = False
 
     def __init__(self, **kwargs):
         self.calls.append(("init", kwargs))
+        self._healthz_api = SimpleNamespace(healthz_service_get_healthz=self._healthz)
+
+    def _healthz(self):
+        self.calls.append(("healthz",))
+        return SimpleNamespace(multi_user=self.multi_user)
 
     def create_experiment(self, name, namespace=None):
         self.calls.append(("experiment", name))
@@ -75,9 +82,16 @@ class FakeClient:
         return SimpleNamespace(recurring_run_id="rr-1")
 
 
+@pytest.fixture(autouse=True)
+def no_kfp_context(monkeypatch, tmp_path):
+    """No test reads the machine's own kfp context (~/.config/kfp/context.json)."""
+    monkeypatch.setattr(cli, "KFP_CONTEXT_FILE", str(tmp_path / "kfp-context.json"), raising=False)
+
+
 @pytest.fixture
 def fake_client(monkeypatch):
     FakeClient.calls = []
+    FakeClient.multi_user = False
     monkeypatch.setattr(kfp, "Client", FakeClient)
     for name in ("KFP_HOST", cli.TOKEN_ENV, cli.COOKIES_ENV, cli.IN_CLUSTER_ENV, kfp.client.KF_PIPELINES_SA_TOKEN_ENV):
         monkeypatch.delenv(name, raising=False)
@@ -251,4 +265,81 @@ def test_refused_credentials_are_one_clear_line(monkeypatch, capsys):
         server.shutdown()
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert f"{host} refused the request (HTTP 401" in err and "KFP_TOKEN" in err
+    assert "401: the token was refused" in err and host in err and "KFP_TOKEN" in err
+
+
+class CountingRefuser(Refusing):
+    requests: list = []
+
+    def _refuse(self):
+        self.requests.append(self.path)
+        super()._refuse()
+
+    do_GET = do_POST = _refuse
+
+
+def test_a_refused_token_without_a_namespace_is_one_probe_and_one_line(monkeypatch, capsys, caplog):
+    """No --namespace, nothing says which: kfp.Client would check the server's health 5 times, 5 s apart,
+    logging a traceback each, then report a TimeoutError as 'cannot reach'. One probe, one line, kfp quiet."""
+    for name in ("KFP_HOST", cli.COOKIES_ENV, cli.IN_CLUSTER_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cli.TOKEN_ENV, "expired-token")
+    CountingRefuser.requests = []
+    server = http.server.HTTPServer(("127.0.0.1", 0), CountingRefuser)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"http://127.0.0.1:{server.server_port}"
+    caplog.set_level(logging.DEBUG)
+    try:
+        assert cli.main(["submit", "--host", host, "--param", f"image={IMAGE}"]) == 1
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: 401: the token was refused") and "cannot reach" not in err, err
+    assert CountingRefuser.requests == ["/apis/v2beta1/healthz"]
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_namespace_comes_from_the_pod_then_the_kfp_context(fake_client, monkeypatch, tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text("t")
+    monkeypatch.setenv(kfp.client.KF_PIPELINES_SA_TOKEN_ENV, str(token))
+    monkeypatch.setenv(cli.IN_CLUSTER_ENV, "10.0.0.1")
+    sa_namespace = tmp_path / "namespace"
+    sa_namespace.write_text("team-pod\n")
+    monkeypatch.setattr(cli, "SA_NAMESPACE_FILE", sa_namespace)
+    context = tmp_path / "kfp-context.json"
+    context.write_text('{"namespace": "team-context"}')
+    assert cli.main(["submit", "--param", f"image={IMAGE}"]) == 0
+    assert client_kwargs(fake_client)["namespace"] == "team-pod"
+    assert next(c for c in fake_client if c[0] == "run")[2]["namespace"] == "team-pod"
+    assert "namespace team-pod (from the pod's ServiceAccount namespace" in capsys.readouterr().out
+    fake_client.clear()
+    monkeypatch.delenv(cli.IN_CLUSTER_ENV)
+    assert cli.main(["submit", "--host", "http://kfp", "--param", f"image={IMAGE}"]) == 0
+    assert client_kwargs(fake_client)["namespace"] == "team-context"
+    fake_client.clear()
+    assert cli.main(["submit", "--host", "http://kfp", "--namespace", "mine", "--param", f"image={IMAGE}"]) == 0
+    assert client_kwargs(fake_client)["namespace"] == "mine"
+    assert [c for c in fake_client if c[0] == "healthz"] == [("healthz",)]  # one probe, with the credentials
+
+
+def test_multi_user_kfp_without_any_namespace_asks_for_one(fake_client, capsys):
+    FakeClient.multi_user = True
+    assert cli.main(["submit", "--host", "http://kfp", "--param", f"image={IMAGE}"]) == 2
+    err = capsys.readouterr().err
+    assert "multi-user" in err and "pass --namespace" in err, err
+    assert not [c for c in fake_client if c[0] == "run"]
+    FakeClient.multi_user = False  # a standalone KFP: no namespace needed
+    assert cli.main(["submit", "--host", "http://kfp", "--param", f"image={IMAGE}"]) == 0
+
+
+def test_a_step_pull_secret_for_a_package_compiled_without_one_is_refused_before_submitting(fake_client, tmp_path,
+                                                                                             capsys):
+    package = compile_pipeline(tmp_path / "p.yaml", image=IMAGE, version="0.0.0+test")
+    assert cli.main(["submit", "--host", "http://kfp", "--package", str(package),
+                     "--param", "step_image_pull_secret=ghcr-cred"]) == 2
+    assert "compiled without --image-pull-secret" in capsys.readouterr().err and fake_client == []
+    package = compile_pipeline(tmp_path / "q.yaml", image=IMAGE, image_pull_secrets=["regcred"], version="0.0.0+t")
+    assert cli.main(["submit", "--host", "http://kfp", "--package", str(package),
+                     "--param", "step_image_pull_secret=ghcr-cred"]) == 0

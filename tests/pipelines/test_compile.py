@@ -71,9 +71,9 @@ def test_local_variant_backs_off_in_seconds(tmp_path):
 
 def test_caching_is_off_for_steps_with_side_effects(compiled):
     t = tasks(compiled[1])
-    for name in ("data-prep", "train", "evaluate-checkpoint", "promote", "cleanup"):
+    # validate-params too: it checks the image's version stamp, which a cached result would skip.
+    for name in ("validate-params", "data-prep", "train", "evaluate-checkpoint", "promote", "cleanup"):
         assert t[name]["cachingOptions"] == {}, name  # enableCache omitted = false
-    assert t["validate-params"]["cachingOptions"] == {"enableCache": True}
 
 
 def test_exit_handler_cleans_up_after_the_whole_run(compiled):
@@ -98,8 +98,11 @@ def test_kubernetes_config_where_it_belongs(compiled):
         assert cfg["pvcMount"][0]["mountPath"] == "/mnt/shared", name
         assert cfg["pvcMount"][0]["pvcNameParameter"]["componentInputParameter"] in ("pvc_name",
                                                                                      "pipelinechannel--pvc_name")
-        assert cfg["imagePullSecret"] == [{"secretName": PULL_SECRET,
-                                           "secretNameParameter": {"runtimeValue": {"constant": PULL_SECRET}}}], name
+        # The run parameter (KFP >= 2.5 resolves it first), with the compiled name for a 2.4 backend.
+        (secret,) = cfg["imagePullSecret"]
+        assert secret["secretName"] == PULL_SECRET, name
+        assert secret["secretNameParameter"]["componentInputParameter"] in (
+            "step_image_pull_secret", "pipelinechannel--step_image_pull_secret"), name
     train = executors["exec-train"]
     assert train["configMapAsEnv"][0]["configMapName"] == "train-launcher-config"
     assert train["configMapAsEnv"][0]["optional"] is True
@@ -129,9 +132,29 @@ def test_evaluation_has_requests_and_may_use_a_gpu(compiled):
     evaluate = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-evaluate-checkpoint"]
     assert evaluate["tolerations"] == [
         {"tolerationJson": {"componentInputParameter": "pipelinechannel--tolerations"}}]
+    # Limits as well as requests: a namespace whose ResourceQuota covers limits refuses a pod without them.
+    assert resources["resourceCpuLimit"] == resources["resourceCpuRequest"]
+    assert resources["resourceMemoryLimit"] == resources["resourceMemoryRequest"]
     params = compiled[1]["root"]["inputDefinitions"]["parameters"]
     assert params["eval_cpu"]["defaultValue"] == PipelineParams().eval_cpu
     assert params["eval_memory"]["defaultValue"] == PipelineParams().eval_memory
+
+
+def test_step_pull_secrets_are_run_parameters(tmp_path):
+    """Several compiled secrets: the first is the run parameter, the rest stay as compiled (KFP resolves a pull
+    secret from one string parameter, never from a list); none compiled: the step pods name none, so they
+    keep their ServiceAccount's imagePullSecrets."""
+    path = compile_pipeline(tmp_path / "p.yaml", image=IMAGE, image_pull_secrets=["a", "b"], version=VERSION)
+    _, platform = yaml.safe_load_all(path.read_text())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    first, second = executors["exec-data-prep"]["imagePullSecret"]
+    assert first["secretNameParameter"] == {"componentInputParameter": "pipelinechannel--step_image_pull_secret"}
+    assert second == {"secretName": "b", "secretNameParameter": {"runtimeValue": {"constant": "b"}}}
+    path = compile_pipeline(tmp_path / "q.yaml", image=IMAGE, version=VERSION)
+    spec, platform = yaml.safe_load_all(path.read_text())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert not [name for name, cfg in executors.items() if "imagePullSecret" in cfg]
+    assert spec["root"]["inputDefinitions"]["parameters"]["step_image_pull_secret"]["defaultValue"] == ""
 
 
 def test_image_and_version_are_stamped(compiled):
@@ -139,6 +162,9 @@ def test_image_and_version_are_stamped(compiled):
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["image"]["defaultValue"] == IMAGE
     assert params["image_pull_secrets"]["defaultValue"] == [PULL_SECRET]
+    assert params["step_image_pull_secret"]["defaultValue"] == PULL_SECRET
+    assert tasks(spec)["validate-params"]["inputs"]["parameters"]["compiled_pull_secrets"] == {
+        "runtimeValue": {"constant": [PULL_SECRET]}}
     assert f"Built from resilient-train {VERSION} for image {IMAGE}" in spec["pipelineInfo"]["description"]
     check = tasks(spec)["validate-params"]["inputs"]["parameters"]["compiled_version"]
     assert check == {"runtimeValue": {"constant": VERSION}}
@@ -175,7 +201,7 @@ def test_components_take_every_parameter():
     from components.validate import validate_params
 
     fields = set(PipelineParams.__dataclass_fields__)
-    assert set(validate_params.component_spec.inputs) == fields | {"compiled_version"}
+    assert set(validate_params.component_spec.inputs) == fields | {"compiled_version", "compiled_pull_secrets"}
     assert set(train.component_spec.inputs) == fields | {"run_id", "dataset"}
 
 
@@ -195,6 +221,17 @@ def test_rooms_import_only_what_they_may():
     for path in (REPO / "pipelines").glob("*.py"):
         others = imports(path) - {"kfp", "components", "pipelines"} - set(sys.stdlib_module_names)
         assert not others, f"{path} imports {others}: pipelines/ may import only kfp, components and the stdlib"
+
+
+MAX_LINES = 600
+
+
+def test_no_file_of_the_kfp_rooms_is_over_600_lines():
+    """The house rule for components/ and pipelines/ (trainer_image/ has its own split under way: widen this to
+    every project file once trainer/checkpoint/manager.py is under the limit)."""
+    long = {str(path.relative_to(REPO)): n for path in sorted((REPO / "components").rglob("*.py"))
+            + sorted((REPO / "pipelines").glob("*.py")) if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split along a seam that is there): {long}"
 
 
 def test_compile_cli_writes_yaml(tmp_path, capsys):

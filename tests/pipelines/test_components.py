@@ -18,9 +18,19 @@ def all_params(**kw):
 
 
 def test_validate_params_fails_with_the_fix():
-    assert "tiny x 400 steps" in validate_params.python_func(**all_params(), compiled_version="")
+    compiled = {"compiled_version": "", "compiled_pull_secrets": []}
+    assert "tiny x 400 steps" in validate_params.python_func(**all_params(), **compiled)
     with pytest.raises(ParamError, match="lower checkpoint_interval or raise steps"):
-        validate_params.python_func(**all_params(steps=10, checkpoint_interval=10), compiled_version="")
+        validate_params.python_func(**all_params(steps=10, checkpoint_interval=10), **compiled)
+
+
+def test_a_step_pull_secret_needs_a_pipeline_compiled_with_one():
+    """Compiled without --image-pull-secret, the steps carry no pull-secret parameter: a value would be ignored."""
+    with pytest.raises(ParamError, match="compiled without --image-pull-secret.*kubectl patch serviceaccount"):
+        validate_params.python_func(**all_params(step_image_pull_secret="ghcr-cred"), compiled_version="",
+                                    compiled_pull_secrets=[])
+    assert validate_params.python_func(**all_params(step_image_pull_secret="ghcr-cred"), compiled_version="",
+                                       compiled_pull_secrets=["regcred"])
 
 
 def test_data_prep_writes_shards_to_the_run_and_the_manifest_to_the_artifact(tmp_path):

@@ -11,6 +11,7 @@ from components.lib.evaluation import (
     EvaluationError, NoCheckpointError, PromotionConflict, decide, read_registry, record_id, run_evaluation,
     write_registry,
 )
+from components.lib.report import render_report
 
 RESULT = {"step": 40, "val_loss": 4.2, "perplexity": math.exp(4.2), "val_tokens": 4096, "checkpoint": "/c/step-40",
           "model": "tiny"}
@@ -63,7 +64,12 @@ def never(_):
 
 
 def test_gate_promotes_the_first_model():
-    assert decide(cand(5.0), None, 0.0, never).promote
+    d = decide(cand(5.0), None, 0.0, never)
+    assert d.promote
+    # The report's banner shows this reason: the model WAS promoted, as the first of its name.
+    assert d.reason == "promoted (first model of this name; val loss 5.0000)"
+    page = render_report(title="t", metrics=[], ledger=[], decision=d.to_dict())
+    assert "promoted (first model of this name; val loss 5.0000)" in page and "no model was promoted" not in page
 
 
 def test_gate_compares_on_the_same_data():

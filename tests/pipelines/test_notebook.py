@@ -36,6 +36,8 @@ class RecordingClient:
 
     def __init__(self, **kwargs):
         self.calls.append(("init", kwargs))
+        self._healthz_api = SimpleNamespace(  # the CLI's one probe: a multi-user KFP
+            healthz_service_get_healthz=lambda: SimpleNamespace(multi_user=True))
 
     def create_experiment(self, name, namespace=None):
         return SimpleNamespace(experiment_id="exp-1")
@@ -45,16 +47,24 @@ class RecordingClient:
         return SimpleNamespace(run_id="run-1")
 
 
-def run_cluster_cells(monkeypatch, tmp_path, env: dict[str, str]) -> list:
-    """The notebook's set-up cell and its cluster cell, against a recording kfp.Client."""
+def run_cluster_cells(monkeypatch, tmp_path, env: dict[str, str | None], pod_namespace: str = "") -> list:
+    """The notebook's set-up cell and its cluster cell, against a recording kfp.Client (`pod_namespace`: the
+    ServiceAccount namespace file of the pod the notebook runs in; env None: unset)."""
     RecordingClient.calls = []
     monkeypatch.setattr(kfp, "Client", RecordingClient)
-    for name in ("KFP_HOST", cli.TOKEN_ENV, cli.COOKIES_ENV, cli.IN_CLUSTER_ENV, "KFP_NAMESPACE"):
+    monkeypatch.setattr(cli, "KFP_CONTEXT_FILE", str(tmp_path / "no-kfp-context.json"))
+    (tmp_path / "sa-namespace").write_text(pod_namespace)
+    monkeypatch.setattr(cli, "SA_NAMESPACE_FILE", tmp_path / "sa-namespace")
+    for name in ("KFP_HOST", cli.TOKEN_ENV, cli.COOKIES_ENV, cli.IN_CLUSTER_ENV, "KFP_NAMESPACE", "BACKEND",
+                 "IMAGE_PULL_SECRETS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NOTEBOOK_RUN_ROOT", str(tmp_path))
     monkeypatch.setenv("IMAGE", "registry.example.com/team/resilient-train:0.1.0")
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    for name in [n for n, v in env.items() if v is None]:
+        monkeypatch.delenv(name)
     code = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
     scope: dict = {}
     exec(code[0], scope)  # noqa: S102 - the notebook's own cells
@@ -75,7 +85,28 @@ def test_notebook_in_a_kubeflow_pod_uses_its_pipelines_token(monkeypatch, tmp_pa
     token = tmp_path / "token"
     token.write_text("sa-token")
     calls = run_cluster_cells(monkeypatch, tmp_path, {cli.IN_CLUSTER_ENV: "10.0.0.1",
-                                                      kfp.client.KF_PIPELINES_SA_TOKEN_ENV: str(token)})
+                                                      kfp.client.KF_PIPELINES_SA_TOKEN_ENV: str(token)},
+                              pod_namespace="team-notebook")
     kwargs = calls[0][1]
     assert kwargs["host"] == cli.IN_CLUSTER_HOST.format(namespace="kubeflow")
     assert isinstance(kwargs["credentials"], kfp.client.ServiceAccountTokenVolumeCredentials)
+    assert kwargs["namespace"] == "team-notebook"  # the notebook pod's own: no KFP_NAMESPACE needed
+
+
+def test_notebook_without_an_image_says_what_to_set(monkeypatch, tmp_path, capsys):
+    calls = run_cluster_cells(monkeypatch, tmp_path, {"KFP_HOST": "https://kf.example.com/pipeline",
+                                                      cli.TOKEN_ENV: "tok", "KFP_NAMESPACE": "team-a", "IMAGE": None})
+    assert calls == []
+    out = capsys.readouterr().out
+    assert "IMAGE is not set" in out and "REGISTRY/resilient-train:TAG" in out
+
+
+def test_notebook_submits_with_the_chosen_backend_and_pull_secrets(monkeypatch, tmp_path):
+    calls = run_cluster_cells(monkeypatch, tmp_path, {
+        "KFP_HOST": "https://kf.example.com/pipeline", cli.TOKEN_ENV: "tok", "KFP_NAMESPACE": "team-a",
+        "BACKEND": "trainjob", "IMAGE_PULL_SECRETS": "regcred,mirror"})
+    (run,) = [c[1] for c in calls if c[0] == "run"]
+    assert run["arguments"]["backend"] == "trainjob"
+    defaults = cli.package_defaults(str(tmp_path / "cluster-pipeline.yaml"))
+    assert defaults["image_pull_secrets"] == ["regcred", "mirror"]  # the training pods
+    assert defaults["step_image_pull_secret"] == "regcred"  # the steps

@@ -47,6 +47,7 @@ def test_steps_must_exceed_checkpoint_interval():
     ({"image": "Registry/Team/Img"}, "is not a valid image reference"),
     ({"image": "img:bad tag"}, "is not a valid image reference"),
     ({"image_pull_secrets": ["Reg Cred"]}, "image_pull_secrets must be a list of Secret names"),
+    ({"step_image_pull_secret": "Reg Cred"}, "step_image_pull_secret must be one Secret name"),
     ({"corpus": "s3://bucket/corpus"}, "data prep cannot read 's3' URIs"),
     ({"corpus": "gs://bucket/corpus"}, "scheme file://"),
     ({"corpus": "https://example.com/c.txt"}, "copy the corpus to the volume"),

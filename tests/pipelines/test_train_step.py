@@ -123,3 +123,65 @@ def test_init_from_promoted_reads_the_registry(tmp_path):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "promoted-tiny.json").write_text(json.dumps({"checkpoint_dir": "/ckpt", "step": 3}))
     assert resolve_init_from(p, out) == "/ckpt"
+
+
+class ExitingBackend:
+    """A backend whose job fails with the trainer's `code` (as JobFailedError / LocalLaunchError carry it)."""
+
+    name = "fake"
+
+    def __init__(self, code):
+        self.code, self.runs = code, 0
+
+    def run(self, p, layout, args, out):
+        from components.lib.local_launcher import PermanentFailure, RestartBudgetExceeded
+
+        self.runs += 1
+        error = PermanentFailure if self.code < 128 else RestartBudgetExceeded
+        raise error(f"training failed with exit {self.code}", exit_code=self.code)
+
+    def cleanup(self, p, layout):
+        return ""
+
+
+@pytest.mark.parametrize("code", [1, 2, 3, 4])
+def test_a_retry_after_a_permanent_exit_launches_nothing(tmp_path, code):
+    """KFP's set_retry retries every failure; a data error (exit 3) must not relaunch the GPU job 3 more times."""
+    from components.lib.train_step import PermanentFailureError
+
+    p, backend = local_params(tmp_path), ExitingBackend(code)
+    with pytest.raises(RuntimeError, match=f"exit {code}"):
+        run_train(p, "run-1", "/data", backend=backend, out=io.StringIO())
+    for retry in (2, 3):  # each retry ends at once, and says why in one line
+        with pytest.raises(PermanentFailureError) as err:
+            run_train(p, "run-1", "/data", backend=backend, out=io.StringIO())
+        assert err.value.exit_code == code and len(str(err.value).splitlines()) == 1
+        assert "attempt 1 of run run-1 ended with exit" in str(err.value) and "start a new run" in str(err.value)
+        assert step_attempts(RunLayout(p.workdir, "run-1")) == retry
+    assert backend.runs == 1
+
+
+@pytest.mark.parametrize("code", [137, 200, 201, 202, 204])
+def test_a_retry_after_a_retryable_exit_relaunches(tmp_path, code):
+    p, backend = local_params(tmp_path), ExitingBackend(code)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=f"exit {code}"):
+            run_train(p, "run-1", "/data", backend=backend, out=io.StringIO())
+    assert backend.runs == 2
+
+
+def test_the_train_component_ends_a_doomed_retry_with_one_line_and_the_code(tmp_path, capsys):
+    from kfp import dsl
+
+    from components.train import train
+
+    p = local_params(tmp_path)
+    with pytest.raises(RuntimeError):
+        run_train(p, "run-1", "/data", backend=ExitingBackend(3), out=io.StringIO())
+    dataset = dsl.Dataset(uri=str(tmp_path / "a" / "dataset"), metadata={"data_dir": "/data"})
+    outputs = dict(checkpoint=dsl.Model(uri=str(tmp_path / "a" / "ckpt")), metrics=dsl.Metrics(uri=str(tmp_path / "m")))
+    with pytest.raises(SystemExit) as done:
+        train.python_func(**p.__dict__, run_id="run-1", dataset=dataset, **outputs)
+    assert done.value.code == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not relaunching" in err[0] and "3 (DATA_ERROR)" in err[0]

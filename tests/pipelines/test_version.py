@@ -41,7 +41,7 @@ def test_the_first_step_fails_on_a_mismatched_image(monkeypatch, tmp_path, capsy
     values.update(image=IMAGE)
     monkeypatch.setenv(VERSION_ENV, "0.1.0+other")
     with pytest.raises(VersionMismatch, match="0.1.0\\+other"):
-        validate_params.python_func(**values, compiled_version="0.1.0+mine")
+        validate_params.python_func(**values, compiled_version="0.1.0+mine", compiled_pull_secrets=[])
     monkeypatch.setenv(VERSION_ENV, "0.1.0+mine")
-    assert validate_params.python_func(**values, compiled_version="0.1.0+mine")
+    assert validate_params.python_func(**values, compiled_version="0.1.0+mine", compiled_pull_secrets=[])
     assert "both resilient-train 0.1.0+mine" in capsys.readouterr().out

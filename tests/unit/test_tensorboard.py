@@ -96,3 +96,31 @@ def test_null_object_when_not_rank_zero(tmp_path, enabled):
     writer = metrics.tensorboard_events(tmp_path, enabled)
     assert isinstance(writer, NullTensorBoard) is (not enabled)
     writer.close()
+
+
+def test_restarts_leave_one_point_per_step(tmp_path):
+    """An in-process restart (same writer) and an in-job restart (a new process) redo steps: TensorBoard shows
+    each step once, from the attempt that ran it last, and keeps the faults the redone stretch held."""
+    first = MetricsLogger(tmp_path, enabled=True, echo=False)
+    first.log({"event": "start", "world_size": 2})
+    for n in range(1, 15):
+        first.log(step(n, 10.0 - n * 0.1))
+    ledger(tmp_path, {"event": "fault", "kind": "exception", "step": 15, "rank": 0})
+    first.log({"event": "resume", "step": 10})  # in-process: restored step 10 in the same process
+    for n in range(11, 21):
+        first.log(step(n, 9.0 - n * 0.1))
+    ledger(tmp_path, {"event": "fault", "kind": "sigkill", "step": 21, "rank": 1})
+    first.close()  # the process is killed; ft_launcher starts a new one
+    second = MetricsLogger(tmp_path, enabled=True, echo=False)
+    second.log({"event": "resume", "step": 18})
+    for n in range(19, 23):
+        second.log(step(n, 8.0 - n * 0.1))
+    second.log({"event": "summary", "steps": 22, "final_loss": 5.8, "wall_time_s": 3.0})
+    second.close()
+
+    acc = events(tmp_path)
+    loss = scalars(acc, "train/loss")
+    assert [s for s, _ in loss] == list(range(1, 23)), loss
+    assert dict(loss)[12] == round(9.0 - 1.2, 6) and dict(loss)[20] == round(8.0 - 2.0, 6)  # the last attempt's
+    assert scalars(acc, "recovery/fault_exception") == [(15, 1.0)]
+    assert scalars(acc, "recovery/fault_sigkill") == [(21, 1.0)]

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
@@ -59,16 +59,26 @@ class NullTensorBoard:
 
 class TensorBoardEvents:
     """Rank 0's TensorBoard event files in ``run_dir``: the scalars of every metrics record and, polled from
-    ``recovery.jsonl`` as it grows, the recovery events (faults, restarts per layer, recovery time)."""
+    ``recovery.jsonl`` as it grows, the recovery events (faults, restarts per layer, recovery time).
 
-    def __init__(self, run_dir: Path, writer: Any) -> None:
-        self._writer = writer
+    FT: every (re)start of training (a ``start`` or ``resume`` record) opens a new writer with
+    ``purge_step`` = the first step it will run, so TensorBoard hides what earlier attempts logged from that
+    step on (the steps a restart redoes would otherwise be drawn twice), and replays the ledger's events from
+    that step on, which the purge hid with them."""
+
+    def __init__(self, run_dir: Path, make_writer: Callable[[int | None], Any]) -> None:
+        self._make_writer = make_writer
+        self._writer: Any = None
         self._ledger = run_dir / RECOVERY_FILE
         # Events of earlier processes are in their own event files; this one starts at the ledger's end.
         self._offset = self._ledger.stat().st_size if self._ledger.exists() else 0
 
     def record(self, record: dict[str, Any]) -> None:
         event, step = record.get("event"), record.get("step")
+        if event in ("start", "resume"):
+            self._open(purge_step=int(step or 0) + 1)
+        elif self._writer is None:
+            self._open(purge_step=None)
         if event == "step":
             for name in STEP_SCALARS:
                 if record.get(name) is not None:
@@ -83,7 +93,15 @@ class TensorBoardEvents:
         if event == "summary":
             self._writer.flush()  # the end of training: do not wait for the writer's next periodic flush
 
-    def _poll_ledger(self) -> None:
+    def _open(self, purge_step: int | None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = self._make_writer(purge_step)
+        if purge_step is not None:
+            self._offset = 0
+            self._poll_ledger(since_step=purge_step)
+
+    def _poll_ledger(self, since_step: int = 0) -> None:
         try:
             with self._ledger.open("rb") as f:
                 f.seek(self._offset)
@@ -94,7 +112,9 @@ class TensorBoardEvents:
         self._offset += len(complete)
         for line in complete.splitlines():
             try:
-                self._recovery(json.loads(line))
+                record = json.loads(line)
+                if _ledger_step(record) >= since_step:
+                    self._recovery(record)
             except (ValueError, TypeError, KeyError):
                 continue
 
@@ -126,6 +146,12 @@ class TensorBoardEvents:
             self._writer = None
 
 
+def _ledger_step(record: dict[str, Any]) -> int:
+    """The step a ledger record is drawn at (`TensorBoardEvents._recovery`); KeyError when it has none."""
+    key = {"restart": "resumed_step", "summary": "steps"}.get(record["event"], "step")
+    return int(record[key])
+
+
 def tensorboard_events(run_dir: str | Path, enabled: bool) -> TensorBoardEvents | NullTensorBoard:
     """TensorBoard events for rank 0 (`enabled`); a `NullTensorBoard` elsewhere or without ``tensorboard``."""
     if not enabled:
@@ -135,7 +161,10 @@ def tensorboard_events(run_dir: str | Path, enabled: bool) -> TensorBoardEvents 
     except ImportError as exc:
         log.warning("no TensorBoard event files (%s): pip install tensorboard for live training curves", exc)
         return NullTensorBoard()
-    events = TensorBoardEvents(Path(run_dir), SummaryWriter(log_dir=str(run_dir), flush_secs=TB_FLUSH_S))
+    def make_writer(purge_step: int | None) -> Any:
+        return SummaryWriter(log_dir=str(run_dir), flush_secs=TB_FLUSH_S, purge_step=purge_step)
+
+    events = TensorBoardEvents(Path(run_dir), make_writer)
     atexit.register(events.close)  # what is still queued reaches the file when the process ends normally
     return events
 
