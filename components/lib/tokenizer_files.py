@@ -100,6 +100,9 @@ def load_tokenizer_files(uri: str, environ: Mapping[str, str] | None = None) -> 
     fs, path, protocol = open_fs(str(uri), environ)
     redactor = Redactor.from_env(environ)
     try:
+        if not fs.exists(path):
+            raise CorpusError(f"tokenizer {shown!r} does not exist: give a {TOKENIZER_FILE} path or URI, or a "
+                              f"directory holding {TOKENIZER_FILE} and {TOKENIZER_CONFIG}")
         if fs.isdir(path):
             directory, json_path = path.rstrip("/"), f"{path.rstrip('/')}/{TOKENIZER_FILE}"
         else:
