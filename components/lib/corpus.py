@@ -23,9 +23,10 @@ import io
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from components.lib.storage import (
@@ -43,12 +44,12 @@ FORMATS = ("auto", "text", "jsonl", "parquet")
 EXTENSION_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet",
                      ".pq": "parquet"}
 #: A text file larger than this is read and encoded in line-aligned pieces of about this size.
-TEXT_CHUNK_BYTES = 1 << 20
+TEXT_CHUNK_BYTES = 1 << 16
 #: A scan keeps the records (path, size, ETag, ...) of this many objects one by one; all go into a digest.
 MAX_RECORDED_OBJECTS = 1000
 #: Rows per batch read from a Parquet row group.
 PARQUET_BATCH_ROWS = 1024
-_READ_BUFFER_BYTES = 1 << 20
+_READ_BUFFER_BYTES = 1 << 18
 _GLOB = re.compile(r"[*\[]")
 #: Filesystems listed by a directory walk that skips hidden and excluded directories (cheap when listings are
 #: local); object stores are listed flat by ``find`` (one paginated listing, no request per "directory").
@@ -169,7 +170,7 @@ class Corpus:
         redactor = Redactor.from_env(environ)
         shown = redact_uri(uri)
         fs, root, protocol = open_fs(root_uri, environ)
-        if protocol == "hf" and not root.startswith("datasets/"):
+        if protocol == "hf" and not root_uri.split("://", 1)[1].startswith("datasets/"):
             raise CorpusError(f"corpus {shown!r}: a Hugging Face corpus is a dataset repository: "
                               "hf://datasets/<org>/<name>[/path] (with @<revision> after the name to pin one)")
         root = root.rstrip("/") or root
@@ -216,10 +217,14 @@ class Corpus:
 
     def scan(self, *, val_fraction: float, seed: int, max_files: int | None = None, max_bytes: int | None = None,
              stride: int = 1) -> Scan:
-        """A pass over the first ``max_files`` objects (all by default), every ``stride``-th of them, that yields
-        `Piece` s; see `Scan`."""
-        indices = range(0, min(len(self.objects), max_files or len(self.objects)), stride)
-        return Scan(self, indices, val_fraction=val_fraction, seed=seed, max_bytes=max_bytes)
+        """A pass over the first ``max_files`` objects (all by default) that yields `Piece` s; see `Scan`.
+
+        With ``stride`` k > 1 it reads every k-th object first, then the others (a sample spread over the corpus
+        that a consumer stops early; split and record numbers do not depend on the order).
+        """
+        count = min(len(self.objects), max_files or len(self.objects))
+        indices = chain(range(0, count, stride), (i for i in range(count) if i % stride)) if stride > 1 else range(count)
+        return Scan(self, indices, count, val_fraction=val_fraction, seed=seed, max_bytes=max_bytes)
 
 
 @dataclass
@@ -232,7 +237,8 @@ class Scan:
     """
 
     corpus: Corpus
-    indices: range
+    indices: Iterable[int]
+    num_objects: int
     val_fraction: float
     seed: int
     max_bytes: int | None = None

@@ -58,7 +58,7 @@ MIN_VOCAB_SIZE = 257
 MAX_VOCAB_SIZE = 2**32
 #: Pieces are encoded in batches of at most this many pieces and characters (bounded memory, parallel encode).
 _BATCH_PIECES = 256
-_BATCH_CHARS = 1 << 20
+_BATCH_CHARS = 1 << 18
 PROGRESS_INTERVAL_S = 5.0
 _SHARD_NAME = re.compile(r"^(?:train|val)-\d{5}\.bin(?:\.tmp)?$")
 
@@ -152,7 +152,7 @@ class Progress:
         elapsed = max(now - self._start, 1e-9)
         rate = "" if tokens is None else f"{tokens:,} tokens ({tokens / elapsed:,.0f} tokens/s), "
         line = (f"tokendata: {phase}: {_human_bytes(scan.bytes_read)} read, {scan.num_documents:,} documents, "
-                f"{rate}{scan.num_objects_read:,}/{len(scan.indices):,} objects, {elapsed:.0f} s")
+                f"{rate}{scan.num_objects_read:,}/{scan.num_objects:,} objects, {elapsed:.0f} s")
         print(line, file=self._stream or sys.stderr, flush=True)
 
 
