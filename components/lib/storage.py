@@ -54,6 +54,7 @@ CREDENTIAL_HINTS = {
 #: Query parameters of a URI that identify data, not a caller: kept; every other value is redacted.
 _SAFE_QUERY = {"versionId", "generation", "revision"}
 _REDACTED = "***"
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>()\[\]{};,]+")
 #: Secrets shorter than this are not scrubbed (they would mangle ordinary text, and are not real keys).
 _MIN_SECRET_LEN = 6
 #: Fields of an fsspec ``info()`` dict that identify one version of an object, per store (mapping as data).
@@ -127,7 +128,7 @@ class Redactor:
         return cls(tuple(sorted(found, key=len, reverse=True)))
 
     def __call__(self, text: str) -> str:
-        text = re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", lambda m: redact_uri(m.group(0)), str(text))
+        text = _URI_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), str(text))
         for secret in self.secrets:
             text = text.replace(secret, _REDACTED)
         return text
@@ -164,7 +165,8 @@ def explain(err: BaseException, what: str, protocol: str, redactor: Redactor) ->
     hint = CREDENTIAL_HINTS.get(protocol, "the file permissions")
     if isinstance(err, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError",
                                                    "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return CorpusError(f"{what}: access denied ({detail}): check the credentials: {hint}")
+        return CorpusError(f"{what}: access denied ({detail}): check the credentials: {hint}; and that they may "
+                           "read this location")
     if isinstance(err, FileNotFoundError):
         if "bucket" in detail.lower():
             return CorpusError(f"{what}: the bucket does not exist ({detail}): check the bucket name in the URI "
