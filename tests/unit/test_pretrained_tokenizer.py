@@ -111,7 +111,7 @@ def test_base_model_directory_gives_vocab_bos_eos_and_hf_files(corpus: Path, tmp
     assert (hf.bos_token_id, hf.eos_token_id) == (manifest["bos_id"], manifest["eos_id"])
     assert hf(TEXTS[3])["input_ids"] == [BOS_ID] + source.encode(TEXTS[3], add_special_tokens=False).ids
     tokens = ShardedTokens(out, "train")  # the trainer's reader takes the dataset as it is
-    assert tokens.vocab_size == VOCAB and tokens.eos_id == EOS_ID
+    assert tokens.vocab_size == VOCAB and tokens.eos_id == EOS_ID and tokens.bos_id == BOS_ID
 
 
 def test_a_tokenizer_json_path_uses_its_directory_and_add_bos_token_false_drops_bos(corpus, tmp_path) -> None:
