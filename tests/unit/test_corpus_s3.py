@@ -132,6 +132,10 @@ def test_a_glob_in_the_uri_selects_objects(s3: S3, tmp_path: Path) -> None:
     manifest = build_dataset(f"s3://{BUCKET}/corpus/text/sub1/*.txt", tmp_path / "ds", vocab_size=VOCAB,
                              progress=NullProgress())
     assert [o["path"] for o in manifest["source"]["objects"]] == [f"doc-{i:02d}.txt" for i in range(1, 16, 2)]
+    manifest = build_dataset(f"s3://{BUCKET}/corpus/**/*.jsonl*", tmp_path / "ds2", vocab_size=VOCAB,
+                             progress=NullProgress())
+    assert [o["path"] for o in manifest["source"]["objects"]] == ["jsonl/part-0.jsonl", "jsonl/part-1.jsonl.gz"]
+    assert manifest["source"]["pattern"] == "**/*.jsonl*" and manifest["source"]["num_documents"] == 16
 
 
 def test_kubeflow_initializer_variable_names_work(s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
