@@ -10,9 +10,11 @@ every scheme); `Corpus.scan` reads them in order and yields `Piece` s of documen
 - ``auto``: by extension (``.jsonl``/``.ndjson``/``.json`` -> jsonl, ``.parquet``/``.pq`` -> parquet, else
   text). ``.gz``/``.zst``/``.bz2``/``.xz`` files are decompressed as they stream (fsspec's codecs).
 
-Split: the first usable document is ``val`` (so a small corpus still has validation data); every other document
-is ``val`` when a seeded hash of (object path, record number) falls below ``val_fraction``, so the split of a
-document depends only on itself, not on how many documents come before it.
+Split: the first usable document of the first object is ``val`` (so a small corpus still has validation data);
+after it, every (1 / ``val_fraction``)-th document is ``val``, counted over objects for whole-file documents and
+over records inside a JSONL/Parquet object, from a phase seeded by ``seed`` (and the object's path). The split
+of a document depends only on its position, never on what a scan read before it, so the tokenizer sample (which
+reads objects in another order) sees exactly the train documents of the dataset.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class Corpus:
     def __init__(self, uri: str, fs: Any, protocol: str, objects: list[ObjectInfo], *, single: bool, fmt: str,
                  text_field: str, pattern: str, redactor: Redactor) -> None:
         self.uri = redact_uri(uri)
+        self.root_uri = redact_uri(split_glob(uri)[0])
         self.fs = fs
         self.protocol = protocol
         self.objects = objects
@@ -213,7 +216,7 @@ class Corpus:
 
     def where(self, obj: ObjectInfo) -> str:
         """A redacted name for one object in messages: the URI, plus its relative path for a directory."""
-        return self.uri if self.single else f"{self.uri.rstrip('/')}/{obj.rel}"
+        return self.uri if self.single else f"{self.root_uri.rstrip('/')}/{obj.rel}"
 
     def scan(self, *, val_fraction: float, seed: int, max_files: int | None = None, max_bytes: int | None = None,
              stride: int = 1) -> Scan:
@@ -299,9 +302,10 @@ class Scan:
                 yield io.BufferedReader(inner, _READ_BUFFER_BYTES)  # type: ignore[arg-type]
 
     def _split_of(self, obj: ObjectInfo, index: int, record: int) -> str:
-        """``val`` for the first usable document; else every (1/val_fraction)-th position, from a seeded phase:
-        positions are object indices for whole-file documents, record numbers inside a JSONL/Parquet object."""
-        if self._first_pending:
+        """``val`` for the first usable document of the first object; else every (1/val_fraction)-th position,
+        from a seeded phase: positions are object indices for whole-file documents, record numbers inside a
+        JSONL/Parquet object. A document's split never depends on which other objects a scan reads."""
+        if index == 0 and self._first_pending:
             self._first_pending = False
             split = "val"
         else:

@@ -320,7 +320,7 @@ def build_dataset(
     if not shards["train"] or not shards["val"]:
         raise CorpusDataError(
             f"corpus {source.uri!r} gave {scan.by_split['train']} train and {scan.by_split['val']} val documents "
-            "(the first document is always val): need at least one of each: add documents, or lower "
+            "(the first document of the first file is val): need at least one of each: add documents, or lower "
             "--val-fraction if every one went to val"
         )
 
@@ -467,8 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="own BPE only: at most this many bytes of train text are used to train it "
                              f"(default {DEFAULT_TOKENIZER_SAMPLE_BYTES})")
     parser.add_argument("--val-fraction", type=float, default=0.05,
-                        help="share of documents in the val split, by a seeded hash; the first document is "
-                             "always val (default 0.05)")
+                        help="share of documents in the val split: every (1/F)-th document from a seeded phase, "
+                             "and the first document of the first file (default 0.05)")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument("--max-files", type=int, default=None, help="read only the first N files (sorted by path)")

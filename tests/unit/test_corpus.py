@@ -341,3 +341,33 @@ def test_progress_lines_are_rate_limited_and_end_with_a_summary(formats, tmp_pat
     assert " tokens (" in lines[-1] and "tokens/s" in lines[-1] and "KB read" in lines[-1]
     build_dataset(paths["text"], tmp_path / "b", vocab_size=VOCAB, progress=Progress(chatty, interval_s=0))
     assert len(chatty.getvalue().splitlines()) > len(docs), "interval 0: a line per document read"
+
+
+def test_the_tokenizer_sample_holds_only_train_documents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from components.lib import tokendata
+
+    root = tmp_path / "c"
+    root.mkdir()
+    (root / "a-empty.txt").write_text("")  # the first object has no document: no forced val document
+    docs = _docs(40)
+    for i, d in enumerate(docs):
+        (root / f"d-{i:03d}.txt").write_text(d)
+    seen: list[str] = []
+    real_train = tokendata.train_tokenizer
+
+    def recording(texts, vocab_size):
+        return real_train((seen.append(t) or t for t in texts), vocab_size)
+
+    monkeypatch.setattr(tokendata, "train_tokenizer", recording)
+    sample_bytes = sum(len(d) for d in docs) // 3  # every 3rd-or-so file first: a spread sample
+    manifest = build_dataset(root, tmp_path / "ds", vocab_size=VOCAB, val_fraction=0.2,
+                             tokenizer_sample_bytes=sample_bytes, progress=NullProgress())
+    source = Corpus.open(str(root))
+    pieces = list(source.scan(val_fraction=0.2, seed=0))
+    train = {p.text for p in pieces if p.split == "train"}
+    val = {p.text for p in pieces if p.split == "val"}
+    assert len(val) == manifest["source"]["num_documents_by_split"]["val"] == 8, "every 5th of 40"
+    assert seen and set(seen) <= train and not set(seen) & val
+    assert sum(len(t) for t in seen) >= sample_bytes and len(seen) < len(train)
+    positions = [docs.index(t) for t in seen]
+    assert max(positions) >= len(docs) // 2, "a third of the corpus, spread over it, not its first files"
