@@ -209,11 +209,6 @@ class Corpus:
         return cls(uri, fs, protocol, objects, single=single, fmt=fmt, text_field=text_field, pattern=pattern,
                    redactor=redactor)
 
-    @property
-    def total_bytes(self) -> int:
-        """Sum of the listed objects' stored sizes."""
-        return sum(o.size for o in self.objects)
-
     def where(self, obj: ObjectInfo) -> str:
         """A redacted name for one object in messages: the URI, plus its relative path for a directory."""
         return self.uri if self.single else f"{self.root_uri.rstrip('/')}/{obj.rel}"
@@ -226,7 +221,9 @@ class Corpus:
         that a consumer stops early; split and record numbers do not depend on the order).
         """
         count = min(len(self.objects), max_files or len(self.objects))
-        indices = chain(range(0, count, stride), (i for i in range(count) if i % stride)) if stride > 1 else range(count)
+        indices: Iterable[int] = range(count)
+        if stride > 1:
+            indices = chain(range(0, count, stride), (i for i in range(count) if i % stride))
         return Scan(self, indices, count, val_fraction=val_fraction, seed=seed, max_bytes=max_bytes)
 
 
