@@ -4,7 +4,8 @@
 every scheme); `Corpus.scan` reads them in order and yields `Piece` s of document text:
 
 - ``text``: each file is one document (UTF-8; files that are not, or are empty, are skipped). A file larger
-  than `TEXT_CHUNK_BYTES` is read in line-aligned pieces, so memory never holds a whole file.
+  than `TEXT_CHUNK_BYTES` is read and encoded in pieces that end at a line break (`_piece_end`), so memory
+  never holds a whole file.
 - ``jsonl``: each line is a JSON object; its ``text_field`` holds one document (null or "" is skipped).
 - ``parquet``: each row's ``text_field`` column is one document, read by row group (pyarrow).
 - ``auto``: by extension (``.jsonl``/``.ndjson``/``.json`` -> jsonl, ``.parquet``/``.pq`` -> parquet, else
@@ -124,6 +125,19 @@ def _walk(fs: Any, root: str, excluded: set[str]) -> dict[str, dict[str, Any]]:
             del dirs[name]
         found.update((info["name"], info) for info in files.values())
     return found
+
+
+def _piece_end(text: str) -> int:
+    """Where a piece of a large text file ends: after the last newline that a letter or digit follows. Byte-level
+    BPE pre-tokenizers (GPT-2's, Llama 3's) never join a newline with the word after it, so the pieces encode
+    to the same ids as the whole text (a SentencePiece-style Metaspace tokenizer may still mark a word start at a
+    piece start). Without such a newline: after the last newline, else the whole text."""
+    end = len(text)
+    while (newline := text.rfind("\n", 0, end - 1)) != -1:
+        if text[newline + 1].isalnum():
+            return newline + 1
+        end = newline + 1
+    return text.rfind("\n") + 1 or len(text)
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -336,7 +350,7 @@ class Scan:
             except UnicodeDecodeError as err:
                 raise CorpusDataError(f"{where} is not valid UTF-8 near byte {self.bytes_read - len(following)} "
                                       f"({err.reason}): re-encode it as UTF-8 or leave it out with --pattern") from None
-            cut = text.rfind("\n") + 1 or len(text)
+            cut = _piece_end(text)
             if following:
                 yield Piece(text[:cut], split, start, False)
                 text, start = text[cut:], False

@@ -28,6 +28,7 @@ from components.lib import corpus as corpus_module
 from components.lib.corpus import Corpus, format_of, pattern_regex, split_glob
 from components.lib.storage import CorpusDataError, CorpusError, Redactor, redact_uri, storage_options
 from components.lib.tokendata import NullProgress, Progress, build_dataset
+from components.lib.tokenizer_files import train_tokenizer, trained_files
 
 VOCAB = 300
 #: fsspec's protocol -> filesystem class table (``fsspec.registry`` is a read-only view of it).
@@ -164,7 +165,7 @@ def test_corrupt_compressed_file_is_a_data_error(tmp_path: Path) -> None:
 def test_large_text_file_streams_in_pieces_as_one_document(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "c"
     root.mkdir()
-    big = "".join(f"line {i} of a long file ✓\n" for i in range(4000))
+    big = "".join(f"def line_{i}(x):  # of a long file ✓\n    return x\n\n" for i in range(2000))
     (root / "a-big.txt").write_text(big)
     (root / "b-small.txt").write_text("small document\n")
     (root / "c-other.txt").write_text("another document\n")
@@ -175,8 +176,14 @@ def test_large_text_file_streams_in_pieces_as_one_document(tmp_path: Path, monke
     firsts = [p for p in pieces if p.start]
     assert len(firsts) == 3 and "".join(p.text for p in pieces[: len(pieces) - 2]) == big
     assert all(len(p.text.encode()) <= 2 * 4096 for p in pieces)
-    manifest = build_dataset(root, tmp_path / "ds", vocab_size=VOCAB, progress=NullProgress())
+    tok = train_tokenizer([big], 2000)  # knows whitespace runs such as "\n   ": a piece cut before them would show
+    (tmp_path / "tok").mkdir()
+    for name, data in trained_files(tok).files().items():
+        (tmp_path / "tok" / name).write_bytes(data)
+    manifest = build_dataset(root, tmp_path / "ds", tokenizer=tmp_path / "tok", progress=NullProgress())
     assert sorted(_decode_docs(tmp_path / "ds", manifest)) == sorted([big, "small document\n", "another document\n"])
+    val = np.fromfile(tmp_path / "ds" / "val-00000.bin", dtype="<u2").tolist()  # the first file's document
+    assert val == tok.encode(big).ids + [manifest["eos_id"]], "pieces encode to the ids of the whole text"
     (root / "a-big.txt").write_bytes(big.encode() + b"\xff\xfe broken" + big.encode())
     with pytest.raises(CorpusDataError, match="a-big.txt is not valid UTF-8 near byte") as info:
         build_dataset(root, tmp_path / "ds2", vocab_size=VOCAB, progress=NullProgress())
