@@ -15,7 +15,7 @@ Split: the first usable document of the first object is ``val`` (so a small corp
 after it, every (1 / ``val_fraction``)-th document is ``val``, counted over objects for whole-file documents and
 over records inside a JSONL/Parquet object, from a phase seeded by ``seed`` (and the object's path). The split
 of a document depends only on its position, never on what a scan read before it, so the tokenizer sample (which
-reads objects in another order) sees exactly the train documents of the dataset.
+reads objects in another order) sees only train documents.
 """
 
 from __future__ import annotations

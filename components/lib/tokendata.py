@@ -32,6 +32,7 @@ import numpy as np
 from components.lib.corpus import FORMATS, Corpus, Piece, Scan
 from components.lib.storage import EXIT_DATA, EXIT_USAGE, CorpusDataError, CorpusError, Redactor
 from components.lib.tokenizer_files import (
+    COPIED_FILES,
     EOS_TOKEN,
     TOKENIZER_CONFIG,
     TOKENIZER_FILE,
@@ -193,9 +194,11 @@ def _validate_args(vocab_size: int, val_fraction: float, shard_tokens: int, max_
 
 
 def _remove_stale_files(out_dir: Path, keep: set[str]) -> None:
-    """Delete shard and tmp files of an older or interrupted build that the new manifest does not list."""
+    """Delete shard, tokenizer and tmp files of an older or interrupted build that the new manifest does not list
+    (a stale special_tokens_map.json would change what transformers loads from the directory)."""
     for path in out_dir.iterdir():
-        if path.name not in keep and (_SHARD_NAME.match(path.name) or path.name.endswith(".json.tmp")):
+        stale = _SHARD_NAME.match(path.name) or path.name.endswith(".json.tmp") or path.name in COPIED_FILES
+        if path.name not in keep and stale:
             path.unlink()
 
 
@@ -355,7 +358,7 @@ def build_dataset(
     }
     _atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     _fsync_dir(out)
-    _remove_stale_files(out, {e["file"] for entries in shards.values() for e in entries})
+    _remove_stale_files(out, {e["file"] for entries in shards.values() for e in entries} | set(written))
     return manifest
 
 

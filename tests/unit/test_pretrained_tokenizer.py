@@ -129,7 +129,10 @@ def test_special_tokens_without_a_config(corpus, tmp_path) -> None:
     assert info.value.exit_code == 2 and not (tmp_path / "ds").exists()
     gpt2ish = _model_dir(tmp_path / "gpt2ish", config=None, post_bos=False,
                          tok=_base_tokenizer(special=("<|endoftext|>",)))
+    (tmp_path / "ds2").mkdir()
+    (tmp_path / "ds2" / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS}))  # an older build's
     manifest = build_dataset(corpus, tmp_path / "ds2", tokenizer=gpt2ish, progress=NullProgress())
+    assert not (tmp_path / "ds2" / "special_tokens_map.json").exists(), "a stale tokenizer file is removed"
     assert manifest["bos_id"] is None and manifest["eos_token"] == "<|endoftext|>"
     written = json.loads((tmp_path / "ds2" / "tokenizer_config.json").read_text())
     assert written["eos_token"] == "<|endoftext|>" and written["bos_token"] is None
