@@ -13,25 +13,41 @@ from typing import Any
 from components.lib.evaluation import checkpoint_data_dir, data_identity, read_registry
 from components.lib.layout import RunLayout
 from components.lib.params import INIT_FROM_PROMOTED
-from components.lib.tokendata import MANIFEST, build_dataset, default_corpus
+from components.lib.tokendata import MANIFEST, CorpusError, build_dataset, default_corpus
+from components.lib.tokenizer_files import load_tokenizer_files
 
 #: Per-shard checksums go into the artifact metadata up to this many shards (all are in manifest.json).
 MAX_LISTED_SHARDS = 64
 
 
 def prepare(corpus: str, layout: RunLayout, *, vocab_size: int, max_bytes: int = 0,
-            artifact_dir: str | Path | None = None, tokenizer_from: str = "") -> dict[str, Any]:
+            artifact_dir: str | Path | None = None, tokenizer_from: str = "", tokenizer: str = "",
+            text_field: str = "text") -> dict[str, Any]:
     """Build the dataset for this run; copy its manifest into ``artifact_dir``; return the metadata.
 
-    ``tokenizer_from`` (a dataset directory) reuses that dataset's tokenizer: a warm start must see the token
-    ids its weights were trained on.
+    ``corpus`` is a local path or URI (``components.lib.tokendata``; credentials from the environment).
+    ``tokenizer`` (a tokenizer.json or model directory, path or URI) replaces our own BPE; ``text_field`` names
+    the JSONL key / Parquet column of the text. ``tokenizer_from`` (a dataset directory) reuses that dataset's
+    tokenizer: a warm start must see the token ids its weights were trained on, so a ``tokenizer`` that differs
+    from it is refused.
     """
+    if tokenizer_from and tokenizer:
+        _require_same_tokenizer(tokenizer_from, tokenizer)
     manifest = build_dataset(corpus or default_corpus(), layout.data_dir, vocab_size=vocab_size,
-                             max_bytes=max_bytes or None, tokenizer=tokenizer_from or None)
+                             max_bytes=max_bytes or None, tokenizer=tokenizer_from or tokenizer or None,
+                             text_field=text_field)
     if artifact_dir is not None:
         Path(artifact_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(layout.data_dir / MANIFEST, Path(artifact_dir) / MANIFEST)
     return dataset_metadata(manifest, layout.data_dir)
+
+
+def _require_same_tokenizer(dataset_dir: str, tokenizer: str) -> None:
+    """Refuse a ``tokenizer`` whose tokenizer.json differs from the warm start dataset's."""
+    warm, given = load_tokenizer_files(dataset_dir), load_tokenizer_files(tokenizer)
+    if warm.tokenizer_json != given.tokenizer_json:
+        raise CorpusError(f"tokenizer {given.source!r} differs from the tokenizer of {dataset_dir}, which the warm "
+                          "start's weights were trained with: leave tokenizer empty, or start without init_from")
 
 
 def warm_start_data_dir(init_from: str, registry: str) -> str:
@@ -59,7 +75,10 @@ def dataset_metadata(manifest: dict[str, Any], data_dir: str | Path) -> dict[str
         "dtype": manifest["dtype"],
         "num_shards": len(shards),
         "num_documents": manifest["source"]["num_documents"],
-        "corpus": manifest["source"]["corpus"],
+        "corpus": manifest["source"]["uri"],
+        "tokenizer_source": manifest.get("tokenizer_source", "trained"),
+        "bos_id": manifest.get("bos_id"),
+        "eos_id": manifest["eos_id"],
         **data_identity(manifest),
     }
     if len(shards) <= MAX_LISTED_SHARDS:

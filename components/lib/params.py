@@ -15,6 +15,8 @@ from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import urlparse
 
+from components.lib.storage import redact_uri
+
 BACKENDS = ("pytorchjob", "trainjob", "local")
 CLUSTER_BACKENDS = ("pytorchjob", "trainjob")
 FLAVOURS = ("tiny", "1b", "8b")
@@ -25,8 +27,9 @@ SHARED_MOUNT = "/mnt/shared"
 #: The components' ``base_image``. The pipeline overrides it on every step with its ``image`` parameter, whose
 #: default is the image given to ``python -m pipelines.compile --image`` (there is no built-in default image).
 DEFAULT_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
-#: What data prep can read: local paths and these URI schemes (``components.lib.tokendata``).
-CORPUS_SCHEMES = ("file",)
+#: What data prep can read: local paths and these URI schemes (``components.lib.tokendata``; hf:// only as
+#: hf://datasets/<org>/<name>[/path]).
+CORPUS_SCHEMES = ("file", "s3", "gs", "gcs", "hf")
 #: Trainer keys the pipeline sets itself; overriding them would break resume and the report.
 RESERVED_OVERRIDES = ("train.run_dir", "checkpoint.dir", "data.path", "train.steps", "checkpoint.interval",
                       "checkpoint.init_from", "resiliency.faults", "resiliency.inprocess", "train.device")
@@ -124,12 +127,13 @@ class PipelineParams:
     init_from: str = ""
     """Warm start: '' (none), 'promoted' (the promoted model's checkpoint) or a checkpoint directory."""
     corpus: str = ""
-    """Corpus directory, text file or file:// URI (on the shared volume); empty = the image's Python
-    standard library."""
+    """Corpus: a directory or file on the shared volume, or a URI: file://, s3://, gs://,
+    hf://datasets/<org>/<name>[/path] (a glob such as s3://b/data/*.jsonl selects files; credentials from the
+    step's environment); text, JSON Lines or Parquet by extension. Empty = the image's Python standard library."""
     vocab_size: int = 4096
     """Tokenizer vocabulary size (byte-level BPE)."""
     max_corpus_bytes: int = 0
-    """Use only the first N bytes of the corpus (sorted files); 0 = all of it."""
+    """Stop reading the corpus once N bytes were read (whole documents, files sorted by path); 0 = all of it."""
     workdir: str = f"{SHARED_MOUNT}/resilient-train"
     """Run files go to <workdir>/<run id>/; on a cluster it must be under the PVC mount /mnt/shared."""
     pvc_name: str = "train-shared"
@@ -236,11 +240,15 @@ class PipelineParams:
 
     def _check_corpus(self, e: list[str]) -> None:
         m = _URI_SCHEME.match(self.corpus)
+        shown = redact_uri(self.corpus)
         if m and m.group(1).lower() not in CORPUS_SCHEMES:
-            e.append(f"corpus {self.corpus!r}: data prep cannot read {m.group(1)!r} URIs; it reads a local path "
-                     f"(a directory or text file, e.g. on the shared volume) or a URI with scheme "
-                     f"{' or '.join(s + '://' for s in CORPUS_SCHEMES)}: copy the corpus to the volume or mount "
-                     "the bucket, then pass its path")
+            e.append(f"corpus {shown!r}: data prep cannot read {m.group(1)!r} URIs; it reads a local path "
+                     f"(a directory or file, e.g. on the shared volume) or a URI with scheme "
+                     f"{', '.join(s + '://' for s in CORPUS_SCHEMES)}: copy the corpus there, then pass its "
+                     "path or URI")
+        elif m and m.group(1).lower() == "hf" and not self.corpus[len("hf://"):].startswith("datasets/"):
+            e.append(f"corpus {shown!r}: a Hugging Face corpus is a dataset repository: "
+                     "hf://datasets/<org>/<name>[/path]")
 
     def _check_image(self, e: list[str]) -> None:
         if not isinstance(self.image, str):

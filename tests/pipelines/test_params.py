@@ -48,9 +48,9 @@ def test_steps_must_exceed_checkpoint_interval():
     ({"image": "img:bad tag"}, "is not a valid image reference"),
     ({"image_pull_secrets": ["Reg Cred"]}, "image_pull_secrets must be a list of Secret names"),
     ({"step_image_pull_secret": "Reg Cred"}, "step_image_pull_secret must be one Secret name"),
-    ({"corpus": "s3://bucket/corpus"}, "data prep cannot read 's3' URIs"),
-    ({"corpus": "gs://bucket/corpus"}, "scheme file://"),
-    ({"corpus": "https://example.com/c.txt"}, "copy the corpus to the volume"),
+    ({"corpus": "https://example.com/c.txt"}, "data prep cannot read 'https' URIs"),
+    ({"corpus": "ftp://example.com/c.txt"}, "file://, s3://, gs://, gcs://, hf://"),
+    ({"corpus": "hf://meta-llama/Llama-3.1-8B"}, "hf://datasets/<org>/<name>[/path]"),
     ({"eval_memory": "32 GB"}, "eval_memory must be a Kubernetes quantity"),
     ({"eval_cpu": ""}, "eval_cpu must be a Kubernetes quantity"),
     ({"eval_gpus": -1}, "eval_gpus must be 0..16"),
@@ -80,6 +80,7 @@ def test_valid_image_references_pass(image):
     assert PipelineParams(image=image).errors() == []
 
 
-@pytest.mark.parametrize("corpus", ["", "/mnt/shared/corpus", "file:///mnt/shared/corpus.txt", "relative/dir"])
+@pytest.mark.parametrize("corpus", ["", "/mnt/shared/corpus", "file:///mnt/shared/corpus.txt", "relative/dir",
+                                    "s3://bucket/corpus/", "gs://bucket/c/*.jsonl.gz", "hf://datasets/org/name/data"])
 def test_corpus_that_data_prep_reads_passes(corpus):
     assert not [e for e in PipelineParams(image=IMAGE, corpus=corpus).errors() if "corpus" in e]

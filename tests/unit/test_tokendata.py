@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from components.lib import tokendata
+from components.lib import corpus as corpus_module
+from components.lib import storage, tokendata, tokenizer_files
+from components.lib.corpus import Corpus
 from components.lib.tokendata import (
+    CorpusDataError,
     CorpusError,
     build_dataset,
     default_corpus,
     dtype_for_vocab,
-    iter_corpus_files,
     load_tokenizer,
 )
 
@@ -57,7 +59,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
 def built(corpus: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """The corpus built into a dataset with several train shards."""
     out = tmp_path_factory.mktemp("dataset")
-    manifest = build_dataset(corpus[0], out, vocab_size=VOCAB, val_fraction=0.2, shard_tokens=1000, seed=0)
+    manifest = build_dataset(corpus[0], out, vocab_size=VOCAB, val_fraction=0.2, shard_tokens=1000, seed=0,
+                             pattern="*.py")
     return out, manifest
 
 
@@ -78,9 +81,11 @@ def test_round_trip_decodes_to_source_text(corpus: tuple[Path, dict[str, str]], 
     out, manifest = built
     train, val = _split_docs(out, manifest, "train"), _split_docs(out, manifest, "val")
     assert sorted(train + val) == sorted(docs.values())
-    assert len(val) == round(len(docs) * 0.2)
     in_sorted_order = [docs[k] for k in sorted(docs)]
+    assert val[0] == in_sorted_order[0], "the first document is always val"
+    assert 2 <= len(val) <= 1 + round(len(docs) * 0.2), "one val document per 1/val_fraction, plus the first"
     assert train == [d for d in in_sorted_order if d in train], "train docs keep corpus order"
+    assert val == [d for d in in_sorted_order if d in val], "val docs keep corpus order"
     assert "text = 'before <|endoftext|> after'\n" in train + val, "a literal EOS string is text, not a boundary"
 
 
@@ -92,16 +97,35 @@ def test_manifest_fields_and_files(corpus: tuple[Path, dict[str, str]], built: t
     assert manifest["format"] == tokendata.FORMAT and manifest["version"] == 1
     assert manifest["dtype"] == "uint16"
     assert manifest["vocab_size"] == tokenizer.get_vocab_size() <= VOCAB
-    assert manifest["eos_id"] == tokenizer.token_to_id("<|endoftext|>")
+    assert manifest["eos_id"] == tokenizer.token_to_id("<|endoftext|>") and manifest["eos_token"] == "<|endoftext|>"
+    assert manifest["bos_id"] is None and manifest["bos_token"] is None, "our own BPE adds no BOS"
+    assert manifest["tokenizer_source"] == "trained" and manifest["build"]["tokenizer_from"] is None
     assert manifest["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
-    assert manifest["source"] == {
+    assert manifest["tokenizer_files"] == {
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in ("tokenizer.json", "tokenizer_config.json")
+    }
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    source = manifest["source"]
+    objects = source.pop("objects")
+    by_split = source.pop("num_documents_by_split")
+    assert source == {
+        "uri": str(root),
         "corpus": str(root),
         "pattern": "*.py",
+        "format": "auto",
+        "text_field": "text",
         "num_files": len(docs) + 2,
+        "num_bytes": sum(len(t.encode()) for t in docs.values()) + len("x = 'caf\xe9'\n".encode("latin-1")),
         "num_documents": len(docs),
-        "num_skipped_files": 2,
-        "num_documents_by_split": {"train": len(docs) - round(len(docs) * 0.2), "val": round(len(docs) * 0.2)},
+        "num_skipped_documents": 2,
+        "objects_truncated": False,
+        "objects_sha256": hashlib.sha256(
+            "".join(json.dumps(o, sort_keys=True) + "\n" for o in objects).encode()).hexdigest(),
     }
+    assert by_split["train"] + by_split["val"] == len(docs) and by_split["val"] >= 1
+    assert [o["path"] for o in objects] == sorted(list(docs) + ["pkg1/latin1.py", "pkg2/empty.py"])
+    for o in objects:
+        assert o["size"] == (root / o["path"]).stat().st_size and o["last_modified"].endswith("+00:00")
     for split in ("train", "val"):
         entries = manifest["splits"][split]
         assert manifest["num_tokens"][split] == sum(e["num_tokens"] for e in entries) > 0
@@ -110,7 +134,8 @@ def test_manifest_fields_and_files(corpus: tuple[Path, dict[str, str]], built: t
             assert entry["num_bytes"] == len(data) == 2 * entry["num_tokens"]
             assert entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", "tokenizer.json"] + [e["file"] for s in ("train", "val") for e in manifest["splits"][s]]
+        ["manifest.json", "tokenizer.json", "tokenizer_config.json"]
+        + [e["file"] for s in ("train", "val") for e in manifest["splits"][s]]
     ), "no tmp or stray files left behind"
 
 
@@ -124,9 +149,10 @@ def test_shards_are_bounded_by_shard_tokens(built: tuple[Path, dict]) -> None:
 
 def test_build_is_deterministic(corpus: tuple[Path, dict[str, str]], built: tuple[Path, dict], tmp_path: Path) -> None:
     _, first = built
-    again = build_dataset(corpus[0], tmp_path / "again", vocab_size=VOCAB, val_fraction=0.2, shard_tokens=1000, seed=0)
+    common = dict(vocab_size=VOCAB, val_fraction=0.2, shard_tokens=1000, pattern="*.py")
+    again = build_dataset(corpus[0], tmp_path / "again", seed=0, **common)
     assert again["splits"] == first["splits"] and again["tokenizer_sha256"] == first["tokenizer_sha256"]
-    other = build_dataset(corpus[0], tmp_path / "seed1", vocab_size=VOCAB, val_fraction=0.2, shard_tokens=1000, seed=1)
+    other = build_dataset(corpus[0], tmp_path / "seed1", seed=1, **common)
     assert _split_docs(tmp_path / "seed1", other, "val") != _split_docs(tmp_path / "again", again, "val")
 
 
@@ -136,35 +162,62 @@ def test_dtype_follows_vocab_size() -> None:
     assert dtype_for_vocab(65537) == "uint32"
 
 
-@pytest.mark.parametrize("uri", ["gs://bucket/corpus", "s3://bucket/corpus", "https://example.com/corpus.txt"])
-def test_remote_uri_gives_clear_error(uri: str, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="only local paths and file:// URIs") as info:
+@pytest.mark.parametrize(("uri", "message"), [
+    ("foo://bucket/corpus", "unknown URI scheme 'foo'"),
+    ("hf://someorg/somemodel", "hf://datasets/<org>/<name>"),
+])
+def test_unusable_uri_gives_clear_error(uri: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match=message) as info:
         build_dataset(uri, tmp_path / "out")
-    assert "copy the corpus locally" in str(info.value) and "Mount the bucket" in str(info.value)
+    assert info.value.exit_code == 2
     assert not (tmp_path / "out").exists(), "nothing is written for a rejected corpus"
 
 
-def test_file_uri_single_file_and_limits(corpus: tuple[Path, dict[str, str]]) -> None:
+def _rels(corpus: Corpus) -> list[str]:
+    return [o.rel for o in corpus.objects]
+
+
+def test_file_uri_single_file_patterns_and_limits(corpus: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     root, docs = corpus
-    all_files = list(iter_corpus_files(root))
-    assert [p.relative_to(root).as_posix() for p in all_files] == sorted(list(docs) + ["pkg1/latin1.py", "pkg2/empty.py"])
-    assert list(iter_corpus_files(root.as_uri())) == all_files
+    py_files = sorted(list(docs) + ["pkg1/latin1.py", "pkg2/empty.py"])
+    assert _rels(Corpus.open(str(root), pattern="*.py")) == py_files
+    assert _rels(Corpus.open(root.as_uri(), pattern="*.py")) == py_files
+    assert _rels(Corpus.open(str(root))) == sorted(py_files + ["notes.txt"]), "default '*': every file"
+    assert _rels(Corpus.open(f"{root}/pkg0/*.py")) == [p[5:] for p in py_files if p.startswith("pkg0/")], "URI glob"
+    assert _rels(Corpus.open(str(root), pattern="pkg[12]/**/*.py")) == [p for p in py_files if p[3] in "12"]
+    (root / ".git").mkdir(exist_ok=True)
+    (root / ".git" / "HEAD.py").write_text("hidden = 1\n")
+    (root / ".hidden.py").write_text("hidden = 1\n")
+    assert _rels(Corpus.open(str(root), pattern="*.py")) == py_files, "hidden files and directories are skipped"
     one = root / "pkg0" / "special.py"
-    assert list(iter_corpus_files(one.as_uri())) == [one]
-    assert tokendata._select_files(all_files, 3, None) == all_files[:3]
-    assert tokendata._select_files(all_files, None, 1) == all_files[:1]
+    assert _rels(Corpus.open(one.as_uri())) == ["special.py"]
+    manifest = build_dataset(root, tmp_path / "three", vocab_size=VOCAB, pattern="*.py", max_files=3)
+    assert [o["path"] for o in manifest["source"]["objects"]] == py_files[:3]
+    first_size = (root / py_files[0]).stat().st_size
+    manifest = build_dataset(root, tmp_path / "bytes", vocab_size=VOCAB, pattern="*.py", max_bytes=first_size + 1)
+    assert manifest["source"]["num_files"] == 2, "stops before the next document once max_bytes were read"
+    with pytest.raises(CorpusError, match="glob and a pattern"):
+        Corpus.open(f"{root}/*.py", pattern="*.txt")
 
 
 def test_empty_or_missing_corpus_errors_name_path_and_pattern(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CorpusError, match=r"empty.*has no files matching '\*\.md'"):
+    with pytest.raises(CorpusError, match=r"empty.*has no files matching '\*\.md'") as info:
         build_dataset(tmp_path / "empty", tmp_path / "out", pattern="*.md")
+    assert info.value.exit_code == 2
     with pytest.raises(CorpusError, match="does not exist"):
         build_dataset(tmp_path / "nope", tmp_path / "out")
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "a.py").write_text("a = 1\n")
-    with pytest.raises(CorpusError, match="need at least 2"):
+    with pytest.raises(CorpusDataError, match="0 train and 1 val documents.*need at least one of each") as info:
         build_dataset(tmp_path / "one", tmp_path / "out")
+    assert info.value.exit_code == 3
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "a.bin").write_bytes(b"\xff\xfe\x00" * 10)
+    with pytest.raises(CorpusDataError, match="no usable document.*1 skipped"):
+        build_dataset(tmp_path / "binary", tmp_path / "out2")
+    assert not (tmp_path / "out2").exists(), "nothing is written before the first document was read"
 
 
 @pytest.mark.parametrize(
@@ -190,7 +243,8 @@ def test_rebuild_replaces_old_dataset(corpus: tuple[Path, dict[str, str]], tmp_p
     assert len(small["splits"]["train"]) > 1
     (out / "train-00099.bin.tmp").write_bytes(b"partial")  # leftover of an interrupted build
     big = build_dataset(corpus[0], out, vocab_size=VOCAB, shard_tokens=10**6)
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "tokenizer.json", "train-00000.bin", "val-00000.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json", "tokenizer.json", "tokenizer_config.json", "train-00000.bin", "val-00000.bin"]
     assert big["num_tokens"] == small["num_tokens"]
 
 
@@ -217,24 +271,46 @@ def test_cli_builds_and_prints_summary(corpus: tuple[Path, dict[str, str]], tmp_
     assert f"vocab {manifest['vocab_size']}" in out and f"{manifest['num_tokens']['train']:,} tokens" in out
 
 
-def test_cli_bad_corpus_exits_2_with_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert tokendata.main(["--corpus", "gs://bucket/data", "--out", str(tmp_path / "ds")]) == 2
-    assert "only local paths and file:// URIs" in capsys.readouterr().err
+def test_cli_bad_input_exits_2_bad_data_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert tokendata.main(["--corpus", "foo://bucket/data", "--out", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "unknown URI scheme" in err
+    assert tokendata.main(["--corpus", str(tmp_path), "--out", str(tmp_path / "ds"), "--vocab-size", "10"]) == 2
+    assert "vocab_size=10 is out of range" in capsys.readouterr().err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\nnot json\n')
+    assert tokendata.main(["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "ds")]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: ") and "a.jsonl line 3 is not valid JSON" in err[-1]
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_help_documents_inputs_credentials_and_exit_codes(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        tokendata.main(["--help"])
+    text = capsys.readouterr().out
+    for needle in ("--corpus", "--pattern", "--format", "--text-field", "--tokenizer", "--tokenizer-sample-bytes",
+                   "--vocab-size", "--max-bytes", "s3://", "gs://", "hf://datasets/", "AWS_ACCESS_KEY_ID",
+                   "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION", "ACCESS_KEY_ID",
+                   "SECRET_ACCESS_KEY", "ENDPOINT", "REGION", "HF_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS",
+                   "exit codes", "  2  ", "  3  ", "not against the real services"):
+        assert needle in text, needle
 
 
 def test_default_corpus_is_local_stdlib(tmp_path: Path) -> None:
     root = default_corpus()
     assert (root / "os.py").is_file()
     manifest = build_dataset(root, tmp_path / "ds", vocab_size=512, max_files=30)
-    assert manifest["source"]["num_files"] == 30
+    assert manifest["source"]["num_files"] == 30 and manifest["source"]["pattern"] == "*.py"
     assert manifest["num_tokens"]["train"] > 10_000 and manifest["num_tokens"]["val"] > 0
 
 
-def test_builder_module_is_torch_free() -> None:
-    tree = ast.parse(Path(tokendata.__file__).read_text())
+@pytest.mark.parametrize("module", [tokendata, corpus_module, storage, tokenizer_files])
+def test_builder_modules_are_torch_free(module) -> None:
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not imported & {"torch", "trainer", "nvidia_resiliency_ext"}
+    assert not imported & {"torch", "trainer", "nvidia_resiliency_ext", "transformers"}
 
 
 def test_reused_tokenizer_gives_identical_ids_on_new_data(built: tuple[Path, dict], tmp_path: Path) -> None:
@@ -250,5 +326,5 @@ def test_reused_tokenizer_gives_identical_ids_on_new_data(built: tuple[Path, dic
     original = load_tokenizer(out / "tokenizer.json")
     text = "def fresh_1(x):\n    return x * 1 + 1\n"
     assert load_tokenizer(tmp_path / "out").encode(text).ids == original.encode(text).ids
-    with pytest.raises(CorpusError, match="not found"):
+    with pytest.raises(CorpusError, match="does not exist"):
         build_dataset(fresh, tmp_path / "out2", tokenizer=tmp_path / "nope")

@@ -172,6 +172,11 @@ class ShardedTokens:
         return self._manifest["eos_id"]
 
     @property
+    def bos_id(self) -> int | None:
+        """Token id that starts every document, or None when the tokenizer adds no BOS (SHARDS.md)."""
+        return self._manifest.get("bos_id")
+
+    @property
     def dtype(self) -> str:
         """On-disk token dtype name: ``uint16`` or ``uint32``."""
         return self._dtype_name
