@@ -23,7 +23,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from trainer.config import ModelConfig
 from trainer.config_checks import ConfigError
@@ -48,11 +47,8 @@ def is_uri(source: str) -> bool:
 
 def redact(uri: str) -> str:
     """A URI without user info or query (where credentials hide), for messages and logs."""
-    if not is_uri(uri):
-        return uri
-    parts = urlsplit(uri)
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*@)?([^?#]*)", uri)
+    return match.group(1) + match.group(3) if match else uri
 
 
 class BaseModel:
