@@ -66,6 +66,22 @@ def test_names_cover_a_transformers_llama_both_ways(tmp_path, flavour):
     assert ("lm_head.weight" in loaded) == (flavour != "tied")
 
 
+def test_to_hf_and_from_hf_are_inverse_over_a_whole_model():
+    cfg = _cfg(tie_embeddings=False)
+    adapter = LlamaAdapter(cfg)
+    model = Transformer(cfg, 8)
+    model.init_weights(0)
+    ours = model.state_dict()
+    theirs = dict(adapter.to_hf(fqn, tensor) for fqn, tensor in ours.items())
+    assert theirs.keys() == {adapter.hf_name(f) for f in ours}
+    assert not torch.equal(theirs["model.layers.0.self_attn.q_proj.weight"], ours["layers.0.attention.wq.weight"])
+    assert torch.equal(theirs["model.layers.0.self_attn.v_proj.weight"], ours["layers.0.attention.wv.weight"])
+    back = dict(adapter.from_hf(name, tensor) for name, tensor in theirs.items())
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    with pytest.raises(KeyError):
+        adapter.from_hf("model.layers.9.self_attn.q_proj.weight", torch.zeros(1))
+
+
 def test_shape_from_transformers_config_json(tmp_path):
     """transformers 5 writes ``rope_parameters``; the Hub's Llama 3.x files have ``rope_theta`` + ``rope_scaling``:
     both give the same shape."""

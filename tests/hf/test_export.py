@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hf_models import hf_loss, load_hf, make_llama, safetensors_dict
 from trainer.checkpoint import CheckpointManager, step_dir_name
-from trainer.config import JobConfig, ModelConfig, TrainConfig
+from trainer.config import CheckpointConfig, JobConfig, ModelConfig, TrainConfig
 from trainer.export import export, parse_size
 from trainer.hf import BaseModel
 from trainer.hf.safetensors_out import ShardWriter
@@ -37,7 +37,7 @@ def _checkpoint(tmp_path, base, dataset) -> "os.PathLike":
     cfg.data.path, cfg.data.seq_len = str(dataset), 64
     BaseModel.for_model(cfg.model)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mgr = CheckpointManager(cfg.checkpoint.__class__(node_local_dir=str(tmp_path / "node")), tmp_path / "ckpt",
+    mgr = CheckpointManager(CheckpointConfig(node_local_dir=str(tmp_path / "node")), tmp_path / "ckpt",
                             DistEnv(0, 1, 0, 1), config_json=cfg.to_json())
     try:
         mgr.bind()

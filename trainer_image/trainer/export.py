@@ -260,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
         return ExitCode.CHECKPOINT_ERROR
+    size = summary["bytes"]
+    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     print(f"exported step {summary['step']} ({summary['world_size']} ranks) to {summary['out_dir']}: "
-          f"{summary['files']} safetensors file(s), {summary['bytes'] / 2**30:.2f} GiB {summary['dtype']}, "
-          f"{summary['export_time_s']:.1f} s")
+          f"{summary['files']} safetensors file(s), {shown} {summary['dtype']}, {summary['export_time_s']:.1f} s")
     return ExitCode.OK
 
 
