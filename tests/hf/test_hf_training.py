@@ -152,3 +152,24 @@ def test_a_missing_shard_is_exit_4(tmp_path, tiny_dataset):
     (base / victim).unlink()
     line = _one_line(_trainer_cli(tmp_path, base, tiny_dataset), 4)
     assert "CHECKPOINT_ERROR" in line and f"missing: {victim}" in line
+
+
+def test_resume_from_hf_start_is_bit_exact(tmp_path, tiny_dataset):
+    """A tied, RoPE-scaled model started from Hugging Face weights: 4 steps straight and 2 + resumed 2 end with
+    bit-identical checkpoints (the resumed run restores its checkpoint, not the base weights)."""
+    base = make_llama(tmp_path / "base", "tied")
+    constant = ("--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0", "--optim.lr=3e-3")
+    straight = _train(tmp_path / "straight", base, tiny_dataset, "--train.steps=4", "--checkpoint.interval=2", *constant)
+    split = _train(tmp_path / "split", base, tiny_dataset, "--train.steps=2", "--checkpoint.async_save=false", *constant)
+    _train(split, base, tiny_dataset, "--train.steps=4", "--checkpoint.async_save=false", *constant)
+    assert len(_reads(split, 0)) == 1  # only the first run read the base weights
+
+    def tensors(run):
+        out = {}
+        for shard in sorted((run / "checkpoints" / "step-00000004").glob("shard-*.pt")):
+            out.update({f"{shard.name}:{k}": v for k, v in torch.load(shard, weights_only=True)["tensors"].items()})
+        return out
+
+    a, b = tensors(straight), tensors(split)
+    assert a.keys() == b.keys() and any("tok_embeddings" in k for k in a) and not any("output" in k for k in a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []

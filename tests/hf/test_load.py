@@ -104,6 +104,14 @@ def test_missing_shard_key_and_shape_are_file_errors(tmp_path, pg):
     (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     with pytest.raises(BaseModelFilesError, match=r"shape \[96, 64\] in the safetensors files but \[128, 64\]"):
         _loaded(str(other))
+    from safetensors.torch import load_file, save_file
+
+    (other / "config.json").write_text(json.dumps(config))
+    weights = load_file(other / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 64, dtype=torch.int8)
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="q_proj.weight is stored as I8: a quantized checkpoint"):
+        _loaded(str(other))
     (other / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"garbage!")
     with pytest.raises(BaseModelFilesError, match="not a readable safetensors file"):
         _loaded(str(other))

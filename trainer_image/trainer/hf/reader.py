@@ -11,12 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.config_checks import ConfigError
 from trainer.hf.adapter import LlamaAdapter, head_rows, rope_from_hf
 from trainer.hf.errors import BaseModelFilesError
 
 log = logging.getLogger(__name__)
 
 SINGLE = "model.safetensors"
+FLOAT_DTYPES = {"F64", "F32", "BF16", "F16"}
+"""safetensors dtypes that load (converted to the parameters' dtype); anything else is a quantized checkpoint."""
 INDEX = "model.safetensors.index.json"
 
 
@@ -91,7 +94,12 @@ class SafetensorsFiles:
                                       f"{exc})") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        """The tensor's shape; a ConfigError when it is not stored as floating point (a quantized checkpoint)."""
+        part = self._slice(name)
+        if part.get_dtype() not in FLOAT_DTYPES:
+            raise ConfigError(f"model.from_hf: {self.dir}: {name} is stored as {part.get_dtype()}: a quantized "
+                              f"checkpoint; give one with {'/'.join(sorted(FLOAT_DTYPES))} weights")
+        return tuple(part.get_shape())
 
     def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The region ``box`` (one slice per dimension) of tensor ``name``; only those bytes are read."""
