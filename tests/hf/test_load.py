@@ -210,6 +210,21 @@ def test_uri_errors_and_waiting_local_ranks(tmp_path, monkeypatch):
     assert (base.dir / ".complete-weights").is_file() and not failed.exists()
 
 
+def test_hub_and_bucket_uris_dispatch_to_their_filesystems(tmp_path):
+    """hf:// and s3:// go through the same fsspec path as memory:// and file:// (no network here: only the
+    dispatch is checked; neither was exercised against the real services)."""
+    from huggingface_hub import HfFileSystem
+    from s3fs import S3FileSystem
+
+    fs, root = fsspec.core.url_to_fs("hf://meta-llama/Llama-3.2-1B@main")
+    assert isinstance(fs, HfFileSystem) and root == "meta-llama/Llama-3.2-1B@main"
+    fs, root = fsspec.core.url_to_fs("s3://models/llama-3.2-1b")
+    assert isinstance(fs, S3FileSystem) and root == "models/llama-3.2-1b"
+    fetcher = Fetcher("hf://meta-llama/Llama-3.2-1B@main", tmp_path, local_rank=0)
+    assert fetcher.dir.parent == tmp_path and fetcher.dir.name.startswith("Llama-3.2-1B-main-")
+    assert BaseModel.name.fget(type("S", (), {"source": "hf://meta-llama/Llama-3.2-1B@main"})()) == "Llama-3.2-1B"
+
+
 def test_credentials_never_reach_messages():
     from trainer.hf.source import redact
 

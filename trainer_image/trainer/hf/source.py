@@ -105,7 +105,11 @@ class BaseModel:
         for key, value in self.shape.items():
             setattr(cfg, key, value)
         cfg.name = self.name
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            raise ConfigError(f"model.from_hf: {redact(self.source)}/{CONFIG} describes a shape this trainer cannot "
+                              f"build: {exc}") from None
         log.info("model shape from %s/%s%s", redact(self.source), CONFIG,
                  f" (replacing the configured {', '.join(changed)})" if changed else "")
 
