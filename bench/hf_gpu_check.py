@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 SEQ, BATCH, EVAL_BATCHES = 1024, 4, 8
+_EXPORT_WITH_RSS = ("import resource, sys\nfrom trainer.export import main\ncode = main(sys.argv[1:])\n"
+                    "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)")
+"""``python -m trainer.export`` that also prints its peak resident memory (the export runs on CPU)."""
 
 
 def make_base(directory: Path) -> None:
@@ -71,8 +74,10 @@ def main() -> None:
                    f"--train.steps={args.steps}", f"--data.seq_len={SEQ}", f"--train.batch_size={BATCH}",
                    "--optim.warmup_steps=5", "--checkpoint.interval=0", "--train.compile=false"], out / "train.log")
     step_dir = run_dir / "checkpoints" / f"step-{args.steps:08d}"
-    export_s = run([sys.executable, "-m", "trainer.export", str(step_dir), str(export_dir), "--dtype", "bfloat16"],
+    export_s = run([sys.executable, "-c", _EXPORT_WITH_RSS, str(step_dir), str(export_dir), "--dtype", "bfloat16"],
                    out / "export.log")
+    peak_rss = int(next(line.split()[1] for line in (out / "export.log").read_text().splitlines()
+                        if line.startswith("peak_rss_kib")))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,7 +100,8 @@ def main() -> None:
         "trainer_val_loss": ours["val_loss"], "transformers_val_loss": hf_loss,
         "rel_diff": abs(hf_loss - ours["val_loss"]) / ours["val_loss"], "val_tokens": tokens,
         "export_files": files, "export_bytes": sum((export_dir / f).stat().st_size for f in files),
-        "train_s": round(train_s, 1), "export_s": round(export_s, 1),
+        "train_s": round(train_s, 1), "export_s": round(export_s, 1), "export_peak_rss_gib": round(peak_rss / 2**20, 2),
+        "checkpoint_bytes": sum(p.stat().st_size for p in step_dir.glob("shard-*.pt")),
         "trainer_version": os.environ.get("RESILIENT_TRAIN_VERSION", ""),
     }))
 

@@ -23,7 +23,8 @@ from trainer.export import main as export_main
 pytestmark = pytest.mark.multiprocess
 
 SEQ, BATCH = 48, 4
-_READ = re.compile(r"base model weights from (\S+): (\d+) tensors, (\d+) of their bytes read by this rank for its (\d+) owned")
+_READ = re.compile(r"base model weights from (\S+): (\d+) tensors, "
+                   r"(\d+) of their bytes read by this rank for its (\d+) owned")
 
 
 def _train(run_dir, source, dataset, *extra, nproc=2):

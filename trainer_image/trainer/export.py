@@ -61,7 +61,8 @@ def export(step_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch
     try:
         cfg = JobConfig.from_dict(manifest["config"], source=f"{step_dir}/manifest.json (stored config)")
     except (ConfigError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{step_dir}/manifest.json: its stored config cannot be read by this trainer ({exc})") from None
+        raise CheckpointError(
+            f"{step_dir}/manifest.json: its stored config cannot be read by this trainer ({exc})") from None
     tokenizer = _Tokenizer(Path(data_dir or cfg.data.path), given=data_dir is not None)
     _check_out(out_dir)
     adapter = LlamaAdapter(cfg.model)
@@ -77,7 +78,7 @@ def export(step_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch
     try:
         tmp.mkdir(parents=True)
         plan = plan_shards([entry for entry, _ in entries], max_shard_bytes)
-        _write_weights(tmp, Shards(step_dir, manifest), adapter, dict((e.name, fqn) for e, fqn in entries), plan)
+        _write_weights(tmp, step_dir, manifest, adapter, dict((e.name, fqn) for e, fqn in entries), plan)
         if len(plan) > 1:
             _write_json(tmp / INDEX, index_json(plan))
         bos, eos = tokenizer.special_ids()
@@ -99,7 +100,8 @@ def export(step_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch
 
 def _manifest(step_dir: Path) -> dict[str, Any]:
     if not step_dir.is_dir():
-        raise ConfigError(f"{step_dir} is not a directory; pass one committed checkpoint, e.g. <run>/checkpoints/step-00000100")
+        raise ConfigError(
+            f"{step_dir} is not a directory; pass one committed checkpoint, e.g. <run>/checkpoints/step-00000100")
     manifest, reason, message = read_manifest(step_dir)
     if manifest is not None:
         return manifest
@@ -135,9 +137,12 @@ def _entries(step_dir: Path, manifest: dict[str, Any], adapter: LlamaAdapter,
             for fqn in expected]
 
 
-def _write_weights(tmp: Path, shards: Shards, adapter: LlamaAdapter, fqn_of: dict[str, str],
-                   plan: list[tuple[str, list[Entry]]]) -> None:
+def _write_weights(tmp: Path, step_dir: Path, manifest: dict[str, Any], adapter: LlamaAdapter,
+                   fqn_of: dict[str, str], plan: list[tuple[str, list[Entry]]]) -> None:
+    """Each output file from a fresh memory map of the checkpoint's shard files: the pages read for one file are
+    unmapped before the next, so the process maps at most about one output file's tensors."""
     for file, group in plan:
+        shards = Shards(step_dir, manifest)
         writer = ShardWriter(tmp / file, group)
         for entry in group:
             fqn = fqn_of[entry.name]
@@ -149,6 +154,7 @@ def _write_weights(tmp: Path, shards: Shards, adapter: LlamaAdapter, fqn_of: dic
             writer.write(entry.name, tensor.to(entry.dtype))
             del full, tensor
         writer.close()
+        del shards
         log.info("wrote %s (%d tensors)", file, len(group))
 
 

@@ -40,7 +40,8 @@ class SafetensorsFiles:
 
     @staticmethod
     def required_files(directory: Path) -> list[str]:
-        """The safetensors files a complete model in ``directory`` has: those its index lists, else ``model.safetensors``."""
+        """The safetensors files of a complete model in ``directory``: those its index lists, else
+        ``model.safetensors``."""
         index = Path(directory) / INDEX
         if not index.is_file():
             return [SINGLE]
@@ -56,7 +57,8 @@ class SafetensorsFiles:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
                 raise BaseModelFilesError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
+            files = weight_map.values() if isinstance(weight_map, dict) else [None]
+            if not all(isinstance(v, str) and "/" not in v for v in files):
                 raise BaseModelFilesError(f"{index}: weight_map must map tensor names to file names in {self.dir}")
             return weight_map
         if (self.dir / SINGLE).is_file():

@@ -71,7 +71,8 @@ class ShardWriter:
         for e in entries:
             if e.dtype not in DTYPES:
                 raise ValueError(f"{e.name}: dtype {e.dtype} cannot be exported (one of {sorted(map(str, DTYPES))})")
-            header[e.name] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -80,7 +81,7 @@ class ShardWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.entries[self._next] if self._next < len(self.entries) else None
-        if expected is None or expected.name != name or tuple(tensor.shape) != expected.shape or tensor.dtype != expected.dtype:
+        if expected != Entry(name, tuple(tensor.shape), tensor.dtype):
             raise ValueError(f"{self.path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned {expected}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self._file.write(memoryview(data))

@@ -64,7 +64,8 @@ class BaseModel:
         try:
             self.hf_config = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"model.from_hf: {redact(source)} has no {CONFIG}: not a Hugging Face model directory") from None
+            raise ConfigError(
+                f"model.from_hf: {redact(source)} has no {CONFIG}: not a Hugging Face model directory") from None
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise BaseModelFilesError(f"{path} cannot be read as JSON ({type(exc).__name__}: {exc})") from None
         if not isinstance(self.hf_config, dict):
@@ -183,7 +184,9 @@ class Fetcher:
         clean = redact(uri).rstrip("/")
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", clean.rsplit("/", 1)[-1])[:60] or "model"
         self.dir = cache / f"{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
-        self.attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}:{os.getppid()}"
+        env = os.environ
+        self.attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}:{env.get('TORCHELASTIC_RESTART_COUNT', '')}:{os.getppid()}"
+        """Who a recorded failure belongs to: the launcher's run and restart, and the local ranks' parent."""
 
     def fetch(self, part: str, names: list[str] | None = None) -> None:
         """Make the files of ``part`` present in ``self.dir``: ``meta`` (``META_FILES`` the source has; config.json
@@ -228,8 +231,9 @@ class Fetcher:
             fs, root = fsspec.core.url_to_fs(self.uri)
             listing = {Path(e["name"]).name: e for e in fs.ls(root, detail=True) if e.get("type") != "directory"}
         except (FileNotFoundError, PermissionError) as exc:
-            raise ConfigError(f"model.from_hf: {shown} cannot be listed ({type(exc).__name__}: {exc}); check the URI "
-                              "and the credentials in the environment (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS)") from None
+            raise ConfigError(
+                f"model.from_hf: {shown} cannot be listed ({type(exc).__name__}: {exc}); check the URI and the "
+                "credentials in the environment (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS)") from None
         except ImportError as exc:
             raise ConfigError(f"model.from_hf: no filesystem for {shown} ({exc})") from None
         except Exception as exc:  # noqa: BLE001 - every store has its own network errors
@@ -242,7 +246,8 @@ class Fetcher:
             wanted = list(names or [])
             missing = [n for n in wanted if n not in listing]
             if missing:
-                raise BaseModelFilesError(f"model.from_hf: {shown} lacks {', '.join(missing[:5])}; the model is incomplete")
+                raise BaseModelFilesError(
+                    f"model.from_hf: {shown} lacks {', '.join(missing[:5])}; the model is incomplete")
         started, total = time.perf_counter(), 0
         sizes = {}
         for name in wanted:
