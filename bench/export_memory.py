@@ -1,6 +1,7 @@
 """CPU benchmark of ``python -m trainer.export``: time and peak resident memory for one checkpoint, per
-``--max-shard-size``. The export maps the checkpoint's shard files afresh for each output file and holds one
-tensor at a time, so its peak memory should follow the output file size, not the model size.
+``--max-shard-size`` and remap threshold. The export holds one tensor at a time and maps the checkpoint's shard
+files afresh after every ``_REMAP_BYTES`` (1 GiB) read, so its peak memory should follow that threshold plus the
+largest tensor, not the model or the output file size.
 
     PYTHONPATH=.:trainer_image python bench/export_memory.py [--out runs/export-bench] [--dim 1024 --layers 8]
 
@@ -17,8 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHILD = ("import resource, sys, time\nfrom trainer.export import main\nt = time.perf_counter()\ncode = main(sys.argv[1:])\n"
+CHILD = ("import os, resource, sys, time\nimport trainer.export as export\n"
+         "export._REMAP_BYTES = int(os.environ['REMAP_MIB']) * 2**20\nt = time.perf_counter()\n"
+         "code = export.main(sys.argv[1:])\n"
          "print('bench', time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)")
+"""``python -m trainer.export`` with its remap threshold set from $REMAP_MIB, printing its time and peak RSS."""
 
 
 def main() -> None:
@@ -28,6 +32,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-sizes", default="100MB,5GB")
+    parser.add_argument("--remap-mib", default="1024,128",
+                        help="thresholds to try for the export's remap of the checkpoint files (its default: 1024)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -51,13 +57,16 @@ def main() -> None:
                         "--data.seq_len=64", "--train.batch_size=1", f"--checkpoint.node_local_dir={out / 'node'}"],
                        check=True, capture_output=True)
     ckpt_bytes = sum(p.stat().st_size for p in step_dir.glob("shard-*.pt"))
-    for size in args.shard_sizes.split(","):
+    import os
+
+    for size, remap in [(s, r) for s in args.shard_sizes.split(",") for r in args.remap_mib.split(",")]:
         result = subprocess.run([sys.executable, "-c", CHILD, str(step_dir), str(out / f"export-{size}"),
-                                 "--max-shard-size", size], capture_output=True, text=True, check=True)
+                                 "--max-shard-size", size], capture_output=True, text=True, check=True,
+                                env={**os.environ, "REMAP_MIB": remap})
         line = next(line for line in result.stdout.splitlines() if line.startswith("bench "))
         seconds, rss_kib = float(line.split()[1]), int(line.split()[2])
         files = sorted((out / f"export-{size}").glob("*.safetensors"))
-        print(json.dumps({"bench": "export_memory", "max_shard_size": size, "files": len(files),
+        print(json.dumps({"bench": "export_memory", "max_shard_size": size, "remap_mib": int(remap), "files": len(files),
                           "largest_file_mib": round(max(f.stat().st_size for f in files) / 2**20, 1),
                           "export_mib": round(sum(f.stat().st_size for f in files) / 2**20, 1),
                           "checkpoint_mib": round(ckpt_bytes / 2**20, 1), "peak_rss_mib": round(rss_kib / 1024, 1),

@@ -49,6 +49,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 """Copied from the dataset directory when present, beside its tokenizer file (``tokenizer.json``)."""
 _TMP_INFIX = ".export-tmp-"
+_REMAP_BYTES = 2**30
 
 
 def export(step_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -139,22 +140,25 @@ def _entries(step_dir: Path, manifest: dict[str, Any], adapter: LlamaAdapter,
 
 def _write_weights(tmp: Path, step_dir: Path, manifest: dict[str, Any], adapter: LlamaAdapter,
                    fqn_of: dict[str, str], plan: list[tuple[str, list[Entry]]]) -> None:
-    """Each output file from a fresh memory map of the checkpoint's shard files: the pages read for one file are
-    unmapped before the next, so the process maps at most about one output file's tensors."""
+    """Tensor by tensor. The checkpoint's shard files are memory-mapped, and the pages a read touches stay resident
+    while mapped: the files are mapped afresh after every ``_REMAP_BYTES`` read, so the resident pages stay below
+    that plus one tensor, whatever the model's or the output file's size."""
+    shards, mapped = Shards(step_dir, manifest), 0
     for file, group in plan:
-        shards = Shards(step_dir, manifest)
         writer = ShardWriter(tmp / file, group)
         for entry in group:
             fqn = fqn_of[entry.name]
-            meta = shards.manifest["tensors"][MODEL_PREFIX + fqn]
+            meta = manifest["tensors"][MODEL_PREFIX + fqn]
             full = torch.empty(entry.shape, dtype=getattr(torch, meta["dtype"]))
+            if mapped and mapped + full.nbytes > _REMAP_BYTES:
+                shards, mapped = Shards(step_dir, manifest), 0  # the old maps (and their pages) go with the object
             box = Piece(entry.shape, (0,) * len(entry.shape), entry.shape, full.dtype, False)
             shards.fill(MODEL_PREFIX + fqn, full, box)  # CheckpointError when the pieces do not cover it
+            mapped += full.nbytes
             _, tensor = adapter.to_hf(fqn, full)
             writer.write(entry.name, tensor.to(entry.dtype))
             del full, tensor
         writer.close()
-        del shards
         log.info("wrote %s (%d tensors)", file, len(group))
 
 
