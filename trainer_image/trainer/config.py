@@ -57,6 +57,31 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    tie_embeddings: bool = False
+    """Tie the output projection to the input embedding (Llama 3.2 1B/3B): one weight, ``tok_embeddings.weight``,
+    used by both; checkpoints hold it under that one name (CHECKPOINTS.md)."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3.1 RoPE frequency scaling (``rope_scaling.factor`` of a Hugging Face config, e.g. 8.0 or 32.0):
+    low frequencies are divided by it, high ones kept, the band between interpolated; 0 = no scaling."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3.1 RoPE scaling: wavelengths above ``rope_original_max_len / rope_low_freq_factor`` are scaled."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3.1 RoPE scaling: wavelengths below ``rope_original_max_len / rope_high_freq_factor`` are kept."""
+    rope_original_max_len: int = 8192
+    """Llama 3.1 RoPE scaling: the context length the model was pretrained with before scaling."""
+    max_position_embeddings: int = 0
+    """Context length written into an exported ``config.json`` (``python -m trainer.export``); 0 = ``data.seq_len``.
+    Taken from the base model with ``from_hf``."""
+    from_hf: str = ""
+    """Start from a Llama-family Hugging Face checkpoint: a directory (``config.json`` + ``model.safetensors``, or
+    shards with ``model.safetensors.index.json``) or a URI (``hf://<org>/<model>[@revision]``, ``s3://...``,
+    ``gs://...``, ``file://...``; credentials from HF_TOKEN / AWS_* in the environment), which local rank 0 of
+    each node downloads into ``from_hf_cache`` first. The shape (and ``name``) then come from its
+    ``config.json``, overriding the keys above; its weights are read, each rank only its own FSDP shards, only
+    when training starts fresh (a resumed run never reads them). Needs ``checkpoint.init_from`` empty."""
+    from_hf_cache: str = ""
+    """Node-local directory for a downloaded ``from_hf`` URI (reused by a restart on the same node once complete);
+    empty = ``$TMPDIR/resilient-train-hf`` (the job's own TMPDIR under ``entrypoint.sh``)."""
 
     def validate(self) -> None:
         _positive(self, "model", ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"))
@@ -70,6 +95,17 @@ class ModelConfig:
             )
         if self.vocab_size < 0:
             raise ConfigError(f"model.vocab_size must be >= 0 (0 = from the dataset); got {self.vocab_size}")
+        if self.max_position_embeddings < 0:
+            raise ConfigError(
+                f"model.max_position_embeddings must be >= 0 (0 = data.seq_len); got {self.max_position_embeddings}")
+        if self.rope_scaling_factor < 0:
+            raise ConfigError(f"model.rope_scaling_factor must be >= 0 (0 = no scaling); got {self.rope_scaling_factor}")
+        if self.rope_scaling_factor > 0:
+            _positive(self, "model", ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"))
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                raise ConfigError(
+                    f"model.rope_high_freq_factor ({self.rope_high_freq_factor:g}) must be greater than "
+                    f"model.rope_low_freq_factor ({self.rope_low_freq_factor:g}); Llama 3.1 uses 4.0 and 1.0")
 
 
 @dataclass
@@ -92,7 +128,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW); 0 leaves the weights exactly as loaded (a check of the load/export path)."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at ``lr * min_lr_ratio``."""
     warmup_steps: int = 10
@@ -112,7 +148,9 @@ class OptimConfig:
     ``foreach`` or ``for_loop`` (one parameter at a time: bit-identical between runs and world sizes on CPU)."""
 
     def validate(self) -> None:
-        _positive(self, "optim", ("lr", "eps"))
+        _positive(self, "optim", ("eps",))
+        if self.lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0; got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
@@ -180,6 +218,10 @@ class JobConfig:
     def validate(self) -> "JobConfig":
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        if self.model.from_hf and self.checkpoint.init_from:
+            raise ConfigError(
+                "model.from_hf and checkpoint.init_from both say where the first weights come from; keep one "
+                f"(model.from_hf={self.model.from_hf!r}, checkpoint.init_from={self.checkpoint.init_from!r})")
         if self.train.device != "auto":  # "auto" is checked once the device is known (train.Resources)
             self.resiliency.check_collective_timeout("nccl" if self.train.device == "cuda" else "gloo")
         return self

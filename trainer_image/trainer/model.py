@@ -26,11 +26,42 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """cos/sin tables of shape ``[seq_len, head_dim // 2, 2]`` (fp32)."""
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device | None = None, scaling: "RopeScaling | None" = None
+) -> torch.Tensor:
+    """cos/sin tables of shape ``[seq_len, head_dim // 2, 2]`` (fp32); ``scaling``: Llama 3.1 frequency scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Meta's ``apply_scaling``; Hugging Face ``rope_type: "llama3"``).
+
+    Wavelengths longer than ``original_len / low_freq_factor`` are stretched by ``factor``; shorter than
+    ``original_len / high_freq_factor`` are kept; in between, the frequency is interpolated linearly in
+    ``original_len / wavelength`` between the two."""
+
+    def __init__(self, factor: float, low_freq_factor: float, high_freq_factor: float, original_len: int) -> None:
+        self.factor, self.low, self.high, self.original_len = factor, low_freq_factor, high_freq_factor, original_len
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "RopeScaling | None":
+        """None when ``rope_scaling_factor`` is 0 (no scaling: the tables are bit-identical to unscaled ones)."""
+        if not cfg.rope_scaling_factor:
+            return None
+        return cls(cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                   cfg.rope_original_max_len)
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (self.original_len / wavelen - self.low) / (self.high - self.low)
+        between = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        out = torch.where(wavelen > self.original_len / self.low, inv_freq / self.factor, inv_freq)
+        in_band = (wavelen >= self.original_len / self.high) & (wavelen <= self.original_len / self.low)
+        return torch.where(in_band, between, out)
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -98,7 +129,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class Transformer(nn.Module):
     """Decoder-only language model. ``forward(tokens) -> logits`` (``[batch, seq, vocab]``);
-    ``forward(tokens, targets) -> loss``: the logits then live only inside the call."""
+    ``forward(tokens, targets) -> loss``: the logits then live only inside the call.
+
+    With ``tie_embeddings`` there is no ``output`` module: the head multiplies by ``tok_embeddings.weight``, so the
+    tied weight has one name in every state dict, one optimizer state and one FSDP unit (``parallel.apply_fsdp``)."""
 
     loss_fn = staticmethod(cross_entropy)
     """Replaced by its compiled version when ``train.compile`` is on (``parallel.apply_fsdp``)."""
@@ -112,14 +146,16 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer(
-            "rope", rope_tables(cfg.dim // cfg.n_heads, max_seq_len, cfg.rope_theta), persistent=False
-        )
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", self._rope_tables(), persistent=False)
+
+    def _rope_tables(self, device: torch.device | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        return rope_tables(cfg.dim // cfg.n_heads, self.max_seq_len, cfg.rope_theta, device, RopeScaling.from_config(cfg))
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init from ``seed``: the same weights on every rank and every world size."""
-        gen = torch.Generator(device=self.output.weight.device).manual_seed(seed)
+        gen = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
         std = self.cfg.init_std
         # Residual projections are scaled down with depth (GPT-2 / Llama practice).
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
@@ -131,26 +167,26 @@ class Transformer(nn.Module):
                     param.normal_(0.0, out_std, generator=gen)
                 else:
                     param.normal_(0.0, std, generator=gen)
-            self.rope.copy_(
-                rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
-            )
+            self.rope.copy_(self._rope_tables(self.rope.device))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        logits = self.output(self.norm(h))
+        h = self.norm(h)
+        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
         return logits if targets is None else self.loss_fn(logits, targets)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts computed from the config alone (no model needed)."""
+    """Parameter counts computed from the config alone (no model needed). A tied head adds no parameters."""
     head_dim = cfg.dim // cfg.n_heads
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     ffn = 3 * cfg.dim * cfg.ffn_dim
     block = attn + ffn + 2 * cfg.dim
     embedding = cfg.vocab_size * cfg.dim
-    total = embedding + cfg.n_layers * block + cfg.dim + cfg.vocab_size * cfg.dim
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    total = embedding + cfg.n_layers * block + cfg.dim + head
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 
 
@@ -160,5 +196,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Attention scores and values cost ``2 * 2 * seq_len * dim`` FLOPs per layer and token forward when not
     masked; the same convention as torchtitan and the PaLM paper (``12 * L * d * T`` for fwd+bwd) is used.
     """
-    params = count_params(cfg)["non_embedding"]
+    params = count_params(cfg)["non_embedding"] + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)  # the head
     return 6.0 * params + 12.0 * cfg.n_layers * cfg.dim * seq_len

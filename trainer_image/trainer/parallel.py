@@ -154,7 +154,9 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
     embedding, [final norm, output], and the root.
 
     Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
-    instead of running with the root's. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
+    instead of running with the root's. A tied embedding (``model.tie_embeddings``) is used by the first and the
+    last computation of the forward, so it must stay gathered in between: it and the final norm belong to the root
+    unit (gathered for the whole forward and backward, reduced once), never to a unit resharded after its forward. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
     keeps the checkpoint's DTensor layout), but by default (``train.reshard_after_forward=auto``) nothing is
     resharded after the forward: the bf16 copies are kept for the backward rather than cast again.
     """
@@ -172,7 +174,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
     if cfg.compile and cfg.compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
         model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
-    fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
-    fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
+    if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
+        fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
+        fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
     fully_shard(model, mp_policy=policy)
     return model

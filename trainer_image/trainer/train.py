@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import parallel, resiliency
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import CheckpointManager, committed_steps
 from trainer.config import ConfigError, JobConfig, OptimConfig
 from trainer.data import ShardedTokens, TokenLoader
+from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
 
@@ -42,6 +43,8 @@ class Resources:
     metrics: MetricsLogger
     checkpointer: CheckpointManager
     """One per process: its background writer and host staging buffers survive in-process restarts."""
+    base_model: BaseModel | None = None
+    """``model.from_hf`` (its weights are read only when training starts fresh), or None."""
     started_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -52,8 +55,12 @@ class Resources:
         if cfg.train.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
+        base_model = BaseModel.for_model(cfg.model, env.local_rank)  # model.from_hf: the shape from its config.json
         dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums)
-        if cfg.model.vocab_size == 0:
+        if base_model is not None:
+            base_model.check_data(dataset.path, dataset.vocab_size, cfg.model.vocab_size,
+                                  dataset.manifest.get("tokenizer", "tokenizer.json"))
+        elif cfg.model.vocab_size == 0:
             cfg.model.vocab_size = dataset.vocab_size
         elif cfg.model.vocab_size < dataset.vocab_size:
             raise ConfigError(
@@ -67,7 +74,10 @@ class Resources:
             # FT: its gloo collectives cannot be aborted: keep them below the in-process soft timeout.
             coordination_timeout_s=min(r.collective_timeout_s, r.soft_timeout_s / 2) if r.inprocess else r.collective_timeout_s,
         )
-        return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics, checkpointer=checkpointer)
+        if base_model is not None and not (cfg.checkpoint.resume and committed_steps(cfg.checkpoint_dir)):
+            base_model.fetch_weights()  # a URI: downloaded now, outside the restartable train(), unless resuming
+        return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics, checkpointer=checkpointer,
+                   base_model=base_model)
 
     def close(self, job_over: bool = False) -> None:
         """End of the process: stop the checkpoint writer (idempotent; also runs at interpreter exit).
@@ -156,7 +166,9 @@ def train(
         progress = TrainProgress()
         state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
                  "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
-        checkpointer.load_latest(state)  # FT: memory, then node-local, then disk
+        restored = checkpointer.load_latest(state)  # FT: memory, then node-local, then disk
+        if restored is None and res.base_model is not None:
+            res.base_model.load_into(model)  # a fresh start from model.from_hf: this rank's shards only
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException:
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
