@@ -20,14 +20,19 @@ MAX_LISTED_SHARDS = 64
 
 
 def prepare(corpus: str, layout: RunLayout, *, vocab_size: int, max_bytes: int = 0,
-            artifact_dir: str | Path | None = None, tokenizer_from: str = "") -> dict[str, Any]:
+            artifact_dir: str | Path | None = None, tokenizer_from: str = "", tokenizer: str = "",
+            text_field: str = "text") -> dict[str, Any]:
     """Build the dataset for this run; copy its manifest into ``artifact_dir``; return the metadata.
 
     ``tokenizer_from`` (a dataset directory) reuses that dataset's tokenizer: a warm start must see the token
-    ids its weights were trained on.
+    ids its weights were trained on. ``tokenizer`` and ``text_field`` are data prep's ``--tokenizer`` and
+    ``--text-field`` (CONTRACTS.md item 1; the byo-data branch implements them in ``tokendata``: until it is
+    merged, ``tokenizer`` reuses one of our own tokenizer.json files and ``text_field`` is unused, since only text
+    corpora are read).
     """
+    del text_field  # read by the byo-data branch's JSON Lines / Parquet readers
     manifest = build_dataset(corpus or default_corpus(), layout.data_dir, vocab_size=vocab_size,
-                             max_bytes=max_bytes or None, tokenizer=tokenizer_from or None)
+                             max_bytes=max_bytes or None, tokenizer=tokenizer_from or tokenizer or None)
     if artifact_dir is not None:
         Path(artifact_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(layout.data_dir / MANIFEST, Path(artifact_dir) / MANIFEST)
