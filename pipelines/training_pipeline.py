@@ -70,8 +70,8 @@ class Build:
 
 DESCRIPTION = (
     "Resilient LLM training: data prep -> PyTorchJob or TrainJob (FSDP + NVRx in-process / in-job restarts) -> "
-    "checkpoint evaluation -> promotion gate. The train step retries and resumes from the run's latest "
-    "checkpoint; an exit handler deletes the training job."
+    "checkpoint evaluation -> promotion gate -> Hugging Face export and registration of the promoted step. The "
+    "train step retries and resumes from the run's latest checkpoint; an exit handler deletes the training job."
 )
 
 
