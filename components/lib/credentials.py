@@ -37,7 +37,8 @@ MOUNT_DIR = "/var/run/secrets/resilient-train/credentials"
 """Where data prep mounts the Secret."""
 TRAINER_ENV = {key: key for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION",
                                     "HF_TOKEN")}
-"""Secret key -> env variable of the training container (PyTorchJob): what the trainer's hf:// / s3:// download reads."""
+"""Secret key -> env variable of the training container (PyTorchJob): what the trainer's hf:// and s3://
+download reads."""
 
 
 def load_mounted(directory: str | Path = MOUNT_DIR, env: MutableMapping[str, str] | None = None) -> list[str]:

@@ -27,7 +27,7 @@ SHARED_MOUNT = "/mnt/shared"
 DEFAULT_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
 #: What data prep can read: local paths and these URI schemes (``components.lib.tokendata``); its ``--tokenizer`` too.
 CORPUS_SCHEMES = ("file", "s3", "gs", "hf")
-#: What the trainer's ``model.from_hf`` downloads itself (and a TrainJob's model initializer): a local directory or these.
+#: What the trainer's ``model.from_hf`` (and a TrainJob's model initializer) downloads; else a local directory.
 BASE_MODEL_SCHEMES = ("hf", "s3")
 #: Default ``corpus_secret``: data prep mounts this Secret if it exists (optional); see `PipelineParams.corpus_secret`.
 DEFAULT_CORPUS_SECRET = "train-data-credentials"
