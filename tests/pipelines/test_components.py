@@ -70,7 +70,16 @@ def test_promote_records_the_candidate_with_its_export_once(tmp_path):
     kw = dict(workdir=str(tmp_path), model="tiny", promoted_registry="")
     assert promote.python_func(decision=decision, exported_model=exported, **kw).startswith("promoted tiny step 5")
     record = json.loads((tmp_path / "promoted-tiny.json").read_text())
-    assert record["checkpoint_dir"] == "/w/r1/checkpoints"  # init_from=promoted still warm-starts from it
+    assert record["checkpoint_dir"] == "/w/r1/checkpoints"
+    # init_from=promoted still warm-starts from the checkpoint, with its data's tokenizer
+    import io
+
+    from components.lib.data_step import warm_start_data_dir
+    from components.lib.train_step import resolve_init_from
+
+    warm = PipelineParams(backend="local", workdir=str(tmp_path), init_from="promoted")
+    assert resolve_init_from(warm, io.StringIO()) == "/w/r1/checkpoints"
+    assert warm_start_data_dir("promoted", warm.registry_path()) == "/w/r1/data"
     assert (record["export_dir"], record["model_uri"], record["model_format"]) == (
         EXPORT["export_dir"], EXPORT["uri"], "safetensors")
     # a second promotion based on the stale "nothing promoted" view is refused, not overwritten
