@@ -1,4 +1,4 @@
-"""``evaluate_checkpoint`` (val loss, perplexity, HTML report, promotion gate) and ``promote``."""
+"""``evaluate_checkpoint`` (val loss, perplexity, HTML report, promotion gate) and ``promote`` (records the export)."""
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
@@ -48,22 +48,25 @@ def evaluate_checkpoint(
 
 
 @dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
-def promote(decision: Input[Artifact], workdir: str, model: str, promoted_registry: str) -> str:
-    """Record the gate's candidate as the promoted model, unless another run promoted one since the gate."""
+def promote(decision: Input[Artifact], exported_model: Input[Model], workdir: str, model: str,
+            promoted_registry: str) -> str:
+    """Record the gate's candidate, pointing at its export, as the promoted model (the JSON record, or a new
+    Model Registry version of the exported directory), unless another run promoted one since the gate."""
     import json
 
     from components.lib.evaluation import PromotionConflict, write_registry
     from components.lib.params import registry_location
+    from components.lib.promoted import PromotedRecord
 
     registry = registry_location(promoted_registry, workdir, model)
     with open(decision.path) as f:
         gate = json.load(f)
-    record = gate["candidate"]
+    record = PromotedRecord.from_mapping(gate["candidate"]).with_export(exported_model.metadata)
     try:
-        path = write_registry(registry, record, expected_current=gate["current_id"])
+        path = write_registry(registry, record.to_dict(), expected_current=gate["current_id"])
     except PromotionConflict as exc:
         print(f"[promote] not promoted: {exc}")
         return f"not promoted: {exc}"
-    message = f"promoted {record['model']} step {record['step']} (val loss {record['val_loss']:.4f}) -> {path}"
+    message = f"promoted {record.model} step {record.step} (val loss {record.val_loss:.4f}) -> {path}"
     print(f"[promote] {message}")
     return message

@@ -11,6 +11,7 @@ def train(
     model: str, steps: int, checkpoint_interval: int, nodes: int, gpus_per_node: int, procs_per_node: int,
     seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
     max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
+    base_model: str, tokenizer: str, text_field: str, corpus_secret: str,
     workdir: str, pvc_name: str, namespace: str, image: str, image_pull_secrets: list,
     step_image_pull_secret: str, node_selector: dict,
     tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,

@@ -10,6 +10,7 @@ def validate_params(
     model: str, steps: int, checkpoint_interval: int, nodes: int, gpus_per_node: int, procs_per_node: int,
     seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
     max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
+    base_model: str, tokenizer: str, text_field: str, corpus_secret: str,
     workdir: str, pvc_name: str, namespace: str, image: str, image_pull_secrets: list,
     step_image_pull_secret: str, node_selector: dict,
     tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,
@@ -30,6 +31,7 @@ def validate_params(
     print(f"[validate] {check_image_version(compiled_version, image)}")
     summary = (f"{p.model} x {p.steps} steps on {p.nodes} node(s) x {p.procs_per_rank_node} rank(s) "
                f"({'GPU' if p.gpus_per_node else 'CPU'}), backend {p.backend}, checkpoint every "
-               f"{p.checkpoint_interval}, faults: {p.faults or 'none'}")
+               f"{p.checkpoint_interval}, faults: {p.faults or 'none'}"
+               + (f", from base model {p.base_model}" if p.base_model else ""))
     print(f"[validate] parameters OK: {summary}")
     return summary

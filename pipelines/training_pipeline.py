@@ -1,4 +1,5 @@
-"""The training pipeline: validate → data prep → train (PyTorchJob, TrainJob or local) → evaluate → promote if better.
+"""The training pipeline: validate → data prep → train (PyTorchJob, TrainJob or local) → evaluate → if better:
+export (Hugging Face directory) → promote.
 
 Recovery policy at this level: the train step retries (``set_retry``) and, because every path derives from
 the run id, a retry resumes from the run's latest checkpoint; an exit handler removes the training job or
@@ -11,8 +12,12 @@ Placement: the train step is a long-running CPU pod that only launches and watch
 gets no GPU node selector or toleration (only ``launcher_node_selector``); the PyTorchJob's pods get
 ``node_selector``/``tolerations`` from the launcher (``components/lib/pytorchjob.py``). Evaluation gets
 resource requests and limits (``eval_cpu``, ``eval_memory``, ``eval_gpus``) and the tolerations, since it may
-use a GPU. Step pods pull the image with ``step_image_pull_secret`` (a run parameter, in a pipeline compiled
-with ``--image-pull-secret``), the training pods with ``image_pull_secrets``.
+use a GPU; the export (CPU only: it holds the model's weights once) gets the same CPU and memory. Step pods pull
+the image with ``step_image_pull_secret`` (a run parameter, in a pipeline compiled with ``--image-pull-secret``),
+the training pods with ``image_pull_secrets``.
+
+Credentials: data prep mounts the Secret ``corpus_secret`` as files (optional: a missing Secret mounts nothing;
+``components/lib/credentials.py`` says why files and not env); its values never reach the YAML or a log.
 """
 
 from dataclasses import dataclass
@@ -22,6 +27,8 @@ from kfp import dsl, kubernetes
 from components.cleanup import cleanup
 from components.data_prep import data_prep
 from components.evaluate import evaluate_checkpoint, promote
+from components.export import export_model
+from components.lib import credentials
 from components.lib.params import DEFAULTS, SHARED_MOUNT, PipelineParams, descriptions
 from components.train import train
 from components.validate import validate_params
@@ -65,8 +72,8 @@ class Build:
 
 DESCRIPTION = (
     "Resilient LLM training: data prep -> PyTorchJob or TrainJob (FSDP + NVRx in-process / in-job restarts) -> "
-    "checkpoint evaluation -> promotion gate. The train step retries and resumes from the run's latest "
-    "checkpoint; an exit handler deletes the training job."
+    "checkpoint evaluation -> promotion gate -> Hugging Face export and registration of the promoted step. The "
+    "train step retries and resumes from the run's latest checkpoint; an exit handler deletes the training job."
 )
 
 
@@ -110,9 +117,13 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
         max_cluster_restarts: int = DEFAULTS.max_cluster_restarts,
         backend: str = DEFAULTS.backend,
         init_from: str = DEFAULTS.init_from,
+        base_model: str = DEFAULTS.base_model,
         corpus: str = DEFAULTS.corpus,
         vocab_size: int = DEFAULTS.vocab_size,
         max_corpus_bytes: int = DEFAULTS.max_corpus_bytes,
+        tokenizer: str = DEFAULTS.tokenizer,
+        text_field: str = DEFAULTS.text_field,
+        corpus_secret: str = DEFAULTS.corpus_secret,
         workdir: str = DEFAULTS.workdir,
         pvc_name: str = DEFAULTS.pvc_name,
         namespace: str = DEFAULTS.namespace,
@@ -153,8 +164,11 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
 
             data = on_cluster(data_prep(corpus=corpus, vocab_size=vocab_size, max_corpus_bytes=max_corpus_bytes,
                                         workdir=workdir, run_id=run_id, init_from=init_from, model=model,
-                                        promoted_registry=promoted_registry)).after(check)
+                                        promoted_registry=promoted_registry, tokenizer=tokenizer,
+                                        text_field=text_field, base_model=base_model)).after(check)
             data.set_caching_options(False).set_display_name("prepare token data")
+            kubernetes.use_secret_as_volume(data, secret_name=corpus_secret, mount_path=credentials.MOUNT_DIR,
+                                            optional=True)
 
             trained = on_cluster(train(**params, run_id=run_id, dataset=data.outputs["dataset"]))
             trained.set_caching_options(False).set_display_name("train")
@@ -180,8 +194,15 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
             # The gate is evaluate_checkpoint's return value ("Output"): kfp.local resolves a condition on
             # a task's Output channel, not on a NamedTuple field.
             with dsl.If(gate.outputs["Output"] == True, name="better-than-promoted"):  # noqa: E712 - KFP DSL
-                record = on_cluster(promote(decision=gate.outputs["decision"], workdir=workdir, model=model,
-                                            promoted_registry=promoted_registry))
+                # The exact step the gate evaluated, as a Hugging Face directory; promotion registers it.
+                exported = on_cluster(export_model(decision=gate.outputs["decision"], workdir=workdir,
+                                                   run_id=run_id, pvc_name=pvc_name))
+                exported.set_caching_options(False).set_display_name("export model")
+                exported.set_cpu_request(eval_cpu).set_memory_request(eval_memory)
+                exported.set_cpu_limit(eval_cpu).set_memory_limit(eval_memory)
+                record = on_cluster(promote(decision=gate.outputs["decision"],
+                                            exported_model=exported.outputs["exported_model"], workdir=workdir,
+                                            model=model, promoted_registry=promoted_registry))
                 record.set_caching_options(False).set_display_name("promote model")
 
     pipeline.__doc__ = _docstring(build)

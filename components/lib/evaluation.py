@@ -20,12 +20,14 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import unquote, urlparse
 
+from components.lib.promoted import PromotedRecord, PromotionConflict, record_id
 from components.lib.registry import ModelRegistryStore, is_model_registry
+
+__all__ = ["PromotionConflict", "record_id"]  # re-exported: promotion's callers import them from here
 
 EVAL_MODULE = "trainer.evaluate"
 #: trainer.exitcodes.ExitCode.CHECKPOINT_ERROR: no valid checkpoint to evaluate.
@@ -141,17 +143,6 @@ def read_registry(uri: str) -> dict[str, Any] | None:
     return record
 
 
-def record_id(record: Mapping[str, Any] | None) -> str:
-    """Identity of a promoted record for compare-and-swap ("" = nothing promoted)."""
-    if not record:
-        return ""
-    return f"{record.get('checkpoint_dir', '')}@{record.get('step', '')}"
-
-
-class PromotionConflict(RuntimeError):
-    """The registry changed between the gate's decision and the write."""
-
-
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,12 +160,13 @@ def write_registry(uri: str, record: Mapping[str, Any], expected_current: str) -
     if is_model_registry(uri):
         return ModelRegistryStore(uri).write(record, expected_current)
     path = registry_path(uri)
+    promoted = PromotedRecord.from_mapping(record)
     with _locked(path):
         current = record_id(read_registry(uri))
         if current != expected_current:
             raise PromotionConflict(f"the promoted model changed since the gate compared against it "
                                     f"({expected_current or 'none'} -> {current or 'none'}); not overwriting")
-        stamped = {**record, "promoted_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        stamped = promoted.stamped().to_dict()
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
             f.write(json.dumps(stamped, indent=2, sort_keys=True) + "\n")
@@ -244,7 +236,7 @@ class EvalOutcome:
     result: dict[str, Any]
     decision: Decision
     candidate: dict[str, Any]
-    """The record `write_registry` stores if the model is promoted."""
+    """The `PromotedRecord` (as a dict) that ``promote`` stores, with its export, if the model is promoted."""
     report_html: str
 
 
@@ -262,10 +254,10 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
     result = run_evaluation(checkpoint["checkpoint_dir"], dataset["data_dir"], eval_dir / "result.json",
                             batch_size=batch_size, max_batches=max_batches, out=out)
     identity = {k: dataset.get(k, "") for k in ("tokenizer_sha256", "val_sha256")}
-    candidate = {"checkpoint_dir": checkpoint["checkpoint_dir"], "step": result["step"], "model": result["model"],
-                 "val_loss": result["val_loss"], "perplexity": result["perplexity"],
-                 "val_tokens": result["val_tokens"], "checkpoint": result["checkpoint"], "run_id": run_id,
-                 "data_dir": dataset["data_dir"], **identity}
+    candidate = PromotedRecord(
+        checkpoint_dir=checkpoint["checkpoint_dir"], step=result["step"], model=result["model"],
+        val_loss=result["val_loss"], perplexity=result["perplexity"], val_tokens=result["val_tokens"],
+        checkpoint=result["checkpoint"], run_id=run_id, data_dir=dataset["data_dir"], **identity).to_dict()
 
     def reevaluate(current: Mapping[str, Any]) -> float:
         baseline = run_evaluation(current["checkpoint_dir"], dataset["data_dir"], eval_dir / "baseline.json",

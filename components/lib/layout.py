@@ -1,4 +1,5 @@
-"""Where one pipeline run keeps its files: ``<workdir>/<run id>/{data,train,checkpoints,eval,launcher}``.
+"""Where one pipeline run keeps its files: ``<workdir>/<run id>/{data,train,checkpoints,eval,export,workspace,
+launcher}``.
 
 Every step of a run derives the same paths from ``(workdir, run_id)``, so a retried train step finds the
 checkpoints of the attempt before it and resumes. On a cluster ``workdir`` is on the shared PVC (mounted
@@ -58,6 +59,17 @@ class RunLayout:
     def eval_dir(self) -> Path:
         """Evaluation results and the HTML report's copy."""
         return self.root / "eval"
+
+    def export_dir(self, step: int) -> Path:
+        """The Hugging Face directory exported from checkpoint ``step`` (``export/step-XXXXXXXX``, the checkpoint's
+        own step naming): what promotion registers and a server loads."""
+        return self.root / "export" / f"step-{step:08d}"
+
+    @property
+    def workspace_dir(self) -> Path:
+        """The TrainJob's initializer workspace (mounted at ``/workspace`` in the model initializer and the training
+        pods): the model initializer downloads the base model into its ``model/``."""
+        return self.root / "workspace"
 
     @property
     def launcher_dir(self) -> Path:

@@ -30,9 +30,14 @@ DEFAULT_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
 #: What data prep can read: local paths and these URI schemes (``components.lib.tokendata``; hf:// only as
 #: hf://datasets/<org>/<name>[/path]).
 CORPUS_SCHEMES = ("file", "s3", "gs", "gcs", "hf")
+#: What the trainer's ``model.from_hf`` (and a TrainJob's model initializer) downloads; else a local directory.
+BASE_MODEL_SCHEMES = ("hf", "s3")
+#: Default ``corpus_secret``: data prep mounts this Secret if it exists (optional); see `PipelineParams.corpus_secret`.
+DEFAULT_CORPUS_SECRET = "train-data-credentials"
 #: Trainer keys the pipeline sets itself; overriding them would break resume and the report.
 RESERVED_OVERRIDES = ("train.run_dir", "checkpoint.dir", "data.path", "train.steps", "checkpoint.interval",
-                      "checkpoint.init_from", "resiliency.faults", "resiliency.inprocess", "train.device")
+                      "checkpoint.init_from", "resiliency.faults", "resiliency.inprocess", "train.device",
+                      "model.from_hf")
 TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
 
 MAX_STEPS = 10_000_000
@@ -48,6 +53,10 @@ _OVERRIDE = re.compile(r"^--([a-z_]+)\.([a-z_0-9]+)=(.*)$", re.S)
 _FAULT = re.compile(r"^(\d+):(\d+):([a-z_]+)$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# hf://ORG/NAME (a model repo, as huggingface_hub's repo ids); hf://datasets/... and hf://spaces/... are not models.
+_HF_MODEL = re.compile(r"^hf://(?!datasets/|spaces/)[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
+MAX_TEXT_FIELD_LEN = 256
 # An OCI image reference (distribution/reference grammar): [registry[:port]/]path[:tag][@digest].
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _DOMAIN = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?/)?"
@@ -126,14 +135,27 @@ class PipelineParams:
     (subprocess in the step)."""
     init_from: str = ""
     """Warm start: '' (none), 'promoted' (the promoted model's checkpoint) or a checkpoint directory."""
+    base_model: str = ""
+    """Start from a pretrained Llama-family Hugging Face model: a directory (config.json + safetensors; on the
+    shared volume on a cluster) or hf://ORG/NAME or s3://BUCKET/PREFIX; '' = random weights. Its tokenizer
+    builds the data unless tokenizer is set; not with init_from."""
     corpus: str = ""
     """Corpus: a directory or file on the shared volume, or a URI: file://, s3://, gs://,
     hf://datasets/<org>/<name>[/path] (a glob such as s3://b/data/*.jsonl selects files; credentials from the
     step's environment); text, JSON Lines or Parquet by extension. Empty = the image's Python standard library."""
     vocab_size: int = 4096
-    """Tokenizer vocabulary size (byte-level BPE)."""
+    """Vocabulary size of the byte-level BPE data prep trains when no tokenizer (or base_model) is given."""
     max_corpus_bytes: int = 0
     """Stop reading the corpus once N bytes were read (whole documents, files sorted by path); 0 = all of it."""
+    tokenizer: str = ""
+    """Pretrained tokenizer for data prep: a tokenizer.json or a directory holding one (path, or s3://, gs://,
+    hf:// URI); '' = base_model's, else train a byte-level BPE of vocab_size."""
+    text_field: str = "text"
+    """Key (JSON Lines) or column (Parquet) holding each document's text."""
+    corpus_secret: str = DEFAULT_CORPUS_SECRET
+    """Kubernetes Secret with the credentials data prep (and a base_model download) uses, if it exists: keys
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, HF_TOKEN,
+    GOOGLE_APPLICATION_CREDENTIALS (a service-account JSON); absent keys are skipped."""
     workdir: str = f"{SHARED_MOUNT}/resilient-train"
     """Run files go to <workdir>/<run id>/; on a cluster it must be under the PVC mount /mnt/shared."""
     pvc_name: str = "train-shared"
@@ -233,22 +255,63 @@ class PipelineParams:
                      f"<workdir>/promoted-<model>.json), or a Kubeflow Model Registry address "
                      f"https://HOST[:PORT][/MODEL_NAME]; got {self.promoted_registry!r}")
         self._check_corpus(e)
+        self._check_base_model(e)
         self._check_image(e)
         self._check_k8s_fields(e)
         self._check_overrides(e)
         return e
 
     def _check_corpus(self, e: list[str]) -> None:
-        m = _URI_SCHEME.match(self.corpus)
-        shown = redact_uri(self.corpus)
-        if m and m.group(1).lower() not in CORPUS_SCHEMES:
-            e.append(f"corpus {shown!r}: data prep cannot read {m.group(1)!r} URIs; it reads a local path "
-                     f"(a directory or file, e.g. on the shared volume) or a URI with scheme "
-                     f"{', '.join(s + '://' for s in CORPUS_SCHEMES)}: copy the corpus there, then pass its "
-                     "path or URI")
-        elif m and m.group(1).lower() == "hf" and not self.corpus[len("hf://"):].startswith("datasets/"):
-            e.append(f"corpus {shown!r}: a Hugging Face corpus is a dataset repository: "
-                     "hf://datasets/<org>/<name>[/path]")
+        for name in ("corpus", "tokenizer"):
+            value = getattr(self, name)
+            m = _URI_SCHEME.match(value)
+            shown = redact_uri(value)
+            if m and m.group(1).lower() not in CORPUS_SCHEMES:
+                e.append(f"{name} {shown!r}: data prep cannot read {m.group(1)!r} URIs; it reads a local path "
+                         f"(e.g. on the shared volume) or a URI with scheme "
+                         f"{', '.join(s + '://' for s in CORPUS_SCHEMES)}: copy it to a bucket or the volume, then "
+                         "pass that")
+            elif m and m.group(1).lower() == "hf" and name == "corpus" and not value.startswith("hf://datasets/"):
+                e.append(f"corpus {shown!r}: a Hugging Face corpus is a dataset repo, hf://datasets/ORG/NAME[/PATH]")
+            elif value and not m and not value.startswith("/") and name == "tokenizer":
+                e.append(f"tokenizer {shown!r} must be an absolute path or a URI (every step must resolve it the "
+                         "same), e.g. /mnt/shared/tokenizers/llama3 or hf://meta-llama/Llama-3.2-1B")
+        if self.tokenizer and self.init_from:
+            e.append(f"tokenizer must be empty with init_from={self.init_from!r}: a warm start reuses the tokenizer "
+                     "its checkpoint was trained with")
+        if not isinstance(self.text_field, str) or not self.text_field.strip() or len(self.text_field) > \
+                MAX_TEXT_FIELD_LEN or self.text_field != self.text_field.strip() or not self.text_field.isprintable():
+            e.append(f"text_field must name the JSON Lines key or Parquet column of the text (1-{MAX_TEXT_FIELD_LEN} "
+                     f"printable characters, no surrounding spaces); got {self.text_field!r}")
+        if not _DNS1123_LABEL.fullmatch(self.corpus_secret or "") or len(self.corpus_secret) > 63:
+            e.append(f"corpus_secret must name a Secret (a DNS-1123 label: lowercase letters, digits, '-'; it cannot "
+                     f"be empty: a missing Secret is fine, so keep the default {DEFAULT_CORPUS_SECRET!r} when there "
+                     f"are no credentials); got {self.corpus_secret!r}")
+        elif self.corpus_secret == self.pvc_name:
+            e.append(f"corpus_secret and pvc_name must differ (both name a volume of the data prep pod); got "
+                     f"{self.corpus_secret!r} for both")
+
+    def _check_base_model(self, e: list[str]) -> None:
+        value = self.base_model
+        if not value:
+            return
+        m = _URI_SCHEME.match(value)
+        if m and m.group(1).lower() not in BASE_MODEL_SCHEMES:
+            e.append(f"base_model {value!r}: the trainer loads a directory or downloads "
+                     f"{' or '.join(s + '://' for s in BASE_MODEL_SCHEMES)} URIs; copy the model to one of those")
+        elif m and m.group(1) == "hf" and not _HF_MODEL.fullmatch(value):
+            e.append(f"base_model {value!r} must name a model repo, hf://ORG/NAME (e.g. hf://meta-llama/Llama-3.2-1B)")
+        elif m and m.group(1) == "s3" and not _S3_URI.fullmatch(value):
+            e.append(f"base_model {value!r} must look like s3://BUCKET/PREFIX (the directory holding config.json)")
+        elif not m and not value.startswith("/"):
+            e.append(f"base_model {value!r} must be an absolute directory or an hf:// or s3:// URI")
+        elif not m and self.backend in CLUSTER_BACKENDS and \
+                PurePosixPath(SHARED_MOUNT) not in PurePosixPath(value).parents:
+            e.append(f"base_model {value!r} must be under {SHARED_MOUNT} (the volume the training pods mount) with "
+                     f"backend {self.backend!r}, or an hf:// or s3:// URI")
+        if self.init_from:
+            e.append(f"base_model and init_from={self.init_from!r} cannot both be set: a warm start's weights come "
+                     "from its checkpoint; clear one of them")
 
     def _check_image(self, e: list[str]) -> None:
         if not isinstance(self.image, str):
@@ -391,6 +454,13 @@ def descriptions() -> dict[str, str]:
 
 
 DEFAULTS = PipelineParams()
+
+
+def is_model_uri(base_model: str) -> bool:
+    """Whether `base_model` is a URI something downloads (the trainer, or a TrainJob's model initializer) rather
+    than a directory the pods already see."""
+    m = _URI_SCHEME.match(base_model)
+    return bool(m) and m.group(1).lower() in BASE_MODEL_SCHEMES
 
 
 def registry_location(promoted_registry: str, workdir: str, model: str) -> str:

@@ -28,6 +28,8 @@ from kubeflow.training import (
 )
 from kubernetes import client as k8s
 
+from components.lib.credentials import TRAINER_ENV
+
 ENTRYPOINT = "/opt/app/trainer_image/entrypoint.sh"
 IMAGE_UID = 1000  # the non-root user trainer_image/Dockerfile creates and runs as
 CONTAINER_NAME = "pytorch"  # the training-operator webhook requires this container name
@@ -98,6 +100,17 @@ def job_name(run_id: str, step: str) -> str:
 
 
 @dataclass(frozen=True)
+class ModelInitializer:
+    """A TrainJob's model initializer (Kubeflow Trainer v2): downloads the base model before training starts."""
+
+    storage_uri: str
+    """hf://ORG/NAME or s3://BUCKET/PREFIX; the initializer writes the model to /workspace/model."""
+    workspace_subpath: str
+    """Directory on the shared PVC mounted at /workspace in the initializer and the training pods (relative to
+    the PVC's root, e.g. ``resilient-train/<run id>/workspace``): each run downloads into its own."""
+
+
+@dataclass(frozen=True)
 class TrainJobSpec:
     """One training PyTorchJob. Invalid values raise `ValueError` naming the field to change."""
 
@@ -147,6 +160,12 @@ class TrainJobSpec:
     """Job and pod labels, e.g. {"kueue.x-k8s.io/queue-name": "team-a"}."""
     annotations: Mapping[str, str] = field(default_factory=dict)
     priority_class: str | None = None
+    credentials_secret: str | None = None
+    """Secret holding the credentials (``components.lib.credentials``) of whatever downloads the base model: the
+    training containers (PyTorchJob: optional ``secretKeyRef`` env, ``TRAINER_ENV``) or the model initializer
+    (TrainJob). Keys it lacks, or a Secret that does not exist, are skipped."""
+    model_initializer: ModelInitializer | None = None
+    """TrainJob only: download the base model with Kubeflow Trainer's model initializer before training."""
 
     def __post_init__(self) -> None:
         errors = _spec_errors(self)
@@ -195,6 +214,14 @@ def _spec_errors(s: TrainJobSpec) -> list[str]:
         values = getattr(s, field_name)
         if isinstance(values, str) or not all(isinstance(v, str) and _is_subdomain(v) for v in values):
             errors.append(f"{field_name} must be a list of Secret names; got {values!r}")
+    if s.credentials_secret is not None and not _is_subdomain(s.credentials_secret):
+        errors.append(f"credentials_secret must be a Secret name; got {s.credentials_secret!r}")
+    init = s.model_initializer
+    if init is not None and (not init.storage_uri.startswith(("hf://", "s3://")) or
+                             not init.workspace_subpath or init.workspace_subpath.startswith("/")
+                             or ".." in init.workspace_subpath.split("/")):
+        errors.append(f"model_initializer needs an hf:// or s3:// storage_uri and a workspace_subpath relative to "
+                      f"the PVC's root; got {init!r}")
     for name in (s.service_account, s.priority_class):
         if name is not None and not _is_subdomain(name):
             errors.append(f"service_account and priority_class must be DNS-1123 names; got {name!r}")
@@ -228,6 +255,9 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
     env = [k8s.V1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts)),
            k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")]  # training logs reach the step log promptly
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
+    if spec.credentials_secret:  # for the base model's download (trainer model.from_hf=hf://..., s3://...)
+        env += [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
+            name=spec.credentials_secret, key=key, optional=True))) for key, name in TRAINER_ENV.items()]
     mounts = [k8s.V1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH)]
     if spec.pvc_name:
         mounts.append(k8s.V1VolumeMount(name=SHARED_VOLUME, mount_path=spec.mount_path))
@@ -282,6 +312,9 @@ def _labels(spec: TrainJobSpec) -> dict[str, str]:
 
 def build_pytorchjob(spec: TrainJobSpec) -> KubeflowOrgV1PyTorchJob:
     """The PyTorchJob for `spec`: one Master, nodes-1 Workers, restartPolicy ExitCode on each."""
+    if spec.model_initializer is not None:
+        raise ValueError(f"TrainJobSpec {spec.name!r}: a PyTorchJob has no model initializer; pass the base model's "
+                         "URI to the trainer (model.from_hf) and credentials_secret for its download")
     replicas = {MASTER: KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=RESTART_POLICY,
                                                  template=_pod_template(spec))}
     if spec.nodes > 1:

@@ -6,10 +6,13 @@ server, e.g. ``https://model-registry-service.kubeflow.svc.cluster.local:8443``;
 `components.lib.params.registry_location` appends ``/resilient-train-<flavour>``).
 
 - **promote** (`ModelRegistryStore.write`): registers a new version ``<run id>-step-<step>`` of the
-  registered model through the ``model-registry`` client. The version's custom properties carry the
-  promoted record — checkpoint directory, step, val loss, perplexity, run id, goodput (when the run's ledger
-  had one), data identity — and its model artifact points at the checkpoint (``file://`` URI of the
-  directory on the shared volume, format ``pytorch-dcp``: torch.distributed.checkpoint shards).
+  registered model through the ``model-registry`` client. Its model artifact is the Hugging Face directory
+  exported from the evaluated step (``uri`` = the record's ``model_uri``: ``pvc://<claim>/<path>`` on the shared
+  volume, which KServe mounts as it is; format ``safetensors`` version 1; source kind ``pipelines``, class
+  ``pipelinerun``, id = the run id). The version's custom properties carry the promoted record
+  (`components.lib.promoted`): val loss, perplexity, step, goodput (when the run's ledger had one), run id, the
+  source checkpoint (``checkpoint``: the step directory; ``checkpoint_dir``: the run's checkpoint directory),
+  the export and the data identity.
 - **the promoted model** (`ModelRegistryStore.read`): the newest version of the registered model carrying
   such a record; the gate compares candidates with it, and ``init_from=promoted`` warm-starts from it.
 - **compare and swap**: the write re-reads the newest version and refuses (`PromotionConflict`) when it is no
@@ -22,21 +25,25 @@ Credentials: the client reads the pipeline's service-account token from ``KF_PIP
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlparse
 
+from components.lib.promoted import (
+    MODEL_FORMAT,
+    PromotedRecord,
+    PromotionConflict,
+    record_id,
+    scalar_properties,
+    version_name,
+)
+
 MODEL_REGISTRY_SCHEMES = ("http", "https")
-MODEL_FORMAT = ("pytorch-dcp", "1")
-"""Format name and version of the registered artifact: the trainer's torch.distributed.checkpoint layout."""
 AUTHOR = "resilient-train"
 CA_ENV = "MODEL_REGISTRY_CA"
-RECORD_KEYS = ("checkpoint_dir", "step", "model", "val_loss", "perplexity", "val_tokens", "checkpoint", "run_id",
-               "data_dir", "tokenizer_sha256", "val_sha256", "goodput", "promoted_at")
-"""Promoted-record fields stored as the version's custom properties (and read back)."""
+#: Model Registry's source fields of a model made by a Kubeflow pipeline run (its docs' convention).
+SOURCE_KIND, SOURCE_CLASS = "pipelines", "pipelinerun"
 
 
 class RegistryError(RuntimeError):
@@ -77,17 +84,6 @@ def _client(address: RegistryAddress) -> Any:
                          custom_ca_envvar=CA_ENV if os.environ.get(CA_ENV) else None)
 
 
-def _properties(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record's fields as Model Registry custom properties (scalars only; absent and NaN dropped)."""
-    props = {}
-    for key in RECORD_KEYS:
-        value = record.get(key)
-        if value is None or (isinstance(value, float) and not math.isfinite(value)):
-            continue
-        props[key] = value if isinstance(value, (bool, int, float)) else str(value)
-    return props
-
-
 class ModelRegistryStore:
     """Reads and writes the promoted model of one registered model in a Model Registry."""
 
@@ -120,19 +116,23 @@ class ModelRegistryStore:
         return None
 
     def write(self, record: Mapping[str, Any], expected_current: str) -> str:
-        """Register `record` as a new version if the promoted model is still `expected_current`."""
-        from components.lib.evaluation import PromotionConflict, record_id
-
+        """Register `record`'s export as a new version if the promoted model is still `expected_current`."""
+        promoted = PromotedRecord.from_mapping(record)
+        if not promoted.model_uri:
+            raise RegistryError(f"record of {promoted.checkpoint} has no exported model to register; the "
+                                "export_model step runs before promote")
         current = record_id(self.read())
         if current != expected_current:
             raise PromotionConflict(f"the promoted model changed since the gate compared against it "
                                     f"({expected_current or 'none'} -> {current or 'none'}); not registering")
-        version = f"{record['run_id']}-step-{record['step']}"
-        stamped = {**record, "promoted_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        stamped = promoted.stamped().to_dict()
+        version = version_name(stamped)
         self.client.register_model(
-            self.address.model_name, f"file://{record['checkpoint_dir']}", version=version,
+            self.address.model_name, promoted.model_uri, version=version,
             model_format_name=MODEL_FORMAT[0], model_format_version=MODEL_FORMAT[1],
-            version_description=(f"{record.get('model')} at step {record['step']}, val loss "
-                                 f"{float(record['val_loss']):.4f} (run {record['run_id']})"),
-            metadata=_properties(stamped))
+            model_source_kind=SOURCE_KIND, model_source_class=SOURCE_CLASS, model_source_id=promoted.run_id,
+            model_source_name=promoted.run_id,
+            version_description=(f"{promoted.model} at step {promoted.step}, val loss {promoted.val_loss:.4f} "
+                                 f"(run {promoted.run_id}; from {promoted.checkpoint})"),
+            metadata=scalar_properties(stamped))
         return f"{self.location} version {version}"

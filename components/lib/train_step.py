@@ -13,6 +13,7 @@ at once without launching anything (`refuse_permanent_retry`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,13 +21,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, TextIO
 
 from components.lib.evaluation import read_registry
 from components.lib.layout import RunLayout
 from components.lib.local_launcher import RETRYABLE_MIN, exit_name
-from components.lib.params import INIT_FROM_PROMOTED, SHARED_MOUNT, PipelineParams
+from components.lib.params import INIT_FROM_PROMOTED, SHARED_MOUNT, PipelineParams, is_model_uri
 from components.lib.report import read_jsonl, summarize_ledger
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,11 @@ class PermanentFailureError(TrainStepError):
         self.exit_code = exit_code
 
 
-def trainer_args(p: PipelineParams, layout: RunLayout, data_dir: str, init_from_dir: str = "") -> list[str]:
-    """The trainer CLI (``python -m trainer`` / the entrypoint) for this run; overrides last."""
+def trainer_args(p: PipelineParams, layout: RunLayout, data_dir: str, init_from_dir: str = "",
+                 base_model: str | None = None) -> list[str]:
+    """The trainer CLI (``python -m trainer`` / the entrypoint) for this run; overrides last. ``base_model`` is
+    where the training pods find the base model (the backend's `TrainBackend.base_model_path`; default: the
+    parameter as it is)."""
     args = [
         "--config", p.model,
         f"--data.path={data_dir}",
@@ -79,6 +83,9 @@ def trainer_args(p: PipelineParams, layout: RunLayout, data_dir: str, init_from_
         args.append(f"--train.batch_size={p.batch_size}")
     if init_from_dir:
         args.append(f"--checkpoint.init_from={init_from_dir}")
+    base_model = p.base_model if base_model is None else base_model
+    if base_model:
+        args.append(f"--model.from_hf={base_model}")
     return args + list(p.trainer_overrides)
 
 
@@ -107,6 +114,10 @@ class BackendRun:
 class TrainBackend(Protocol):
     name: str
 
+    def base_model_path(self, p: PipelineParams) -> str:
+        """What the trainer's ``--model.from_hf`` is on this backend ('' = no base model)."""
+        ...
+
     def run(self, p: PipelineParams, layout: RunLayout, args: list[str], out: TextIO) -> BackendRun: ...
 
     def cleanup(self, p: PipelineParams, layout: RunLayout) -> str: ...
@@ -119,6 +130,10 @@ class LocalBackend:
 
     def __init__(self, entrypoint: Path | None = None, relaunch_delay_s: float = 1.0) -> None:
         self.entrypoint, self.relaunch_delay_s = entrypoint, relaunch_delay_s
+
+    def base_model_path(self, p: PipelineParams) -> str:
+        """The parameter: the trainer loads the directory or downloads the URI (credentials from the environment)."""
+        return p.base_model
 
     def run(self, p: PipelineParams, layout: RunLayout, args: list[str], out: TextIO) -> BackendRun:
         from components.lib.local_launcher import ECHO_ALL, ECHO_ENV, LocalJobSpec, LocalLauncher
@@ -147,6 +162,10 @@ class PyTorchJobBackend:
     def __init__(self, launcher_factory: Callable[[], Any] | None = None) -> None:
         self._factory = launcher_factory
 
+    def base_model_path(self, p: PipelineParams) -> str:
+        """The parameter: a directory on the shared volume, or a URI each node's local rank 0 downloads."""
+        return p.base_model
+
     def _launcher(self) -> Any:
         if self._factory:
             return self._factory()
@@ -166,7 +185,8 @@ class PyTorchJobBackend:
             tolerations=list(p.tolerations), image_pull_secrets=list(p.image_pull_secrets),
             ft_max_restarts=p.ft_max_restarts,
             max_cluster_restarts=p.max_cluster_restarts, active_deadline_seconds=int(p.deadline_hours * 3600),
-            labels={KUEUE_LABEL: queue} if queue else {})
+            labels={KUEUE_LABEL: queue} if queue else {},
+            credentials_secret=p.corpus_secret if is_model_uri(p.base_model) else None)
 
     def run(self, p: PipelineParams, layout: RunLayout, args: list[str], out: TextIO) -> BackendRun:
         spec = self.spec(p, layout, args)
@@ -185,10 +205,34 @@ class PyTorchJobBackend:
 
 
 class TrainJobBackend(PyTorchJobBackend):
-    """Submits a Kubeflow Trainer v2 TrainJob on our ClusterTrainingRuntime and waits (same launcher)."""
+    """Submits a Kubeflow Trainer v2 TrainJob on our ClusterTrainingRuntime and waits (same launcher). A base
+    model URI is downloaded by Trainer's model initializer into the run's workspace (`RunLayout.workspace_dir`,
+    mounted at /workspace), not by the trainer."""
 
     name = "trainjob"
     kind = "TrainJob"
+
+    def base_model_path(self, p: PipelineParams) -> str:
+        from components.lib.trainjob import MODEL_PATH
+
+        return MODEL_PATH if is_model_uri(p.base_model) else p.base_model
+
+    def spec(self, p: PipelineParams, layout: RunLayout, args: list[str]) -> Any:
+        from components.lib.pytorchjob import ModelInitializer
+
+        spec = super().spec(p, layout, args)
+        if not is_model_uri(p.base_model):
+            return spec
+        subpath = str(PurePosixPath(str(layout.workspace_dir)).relative_to(SHARED_MOUNT))
+        return dataclasses.replace(spec, model_initializer=ModelInitializer(p.base_model, subpath))
+
+    def run(self, p: PipelineParams, layout: RunLayout, args: list[str], out: TextIO) -> BackendRun:
+        if is_model_uri(p.base_model):
+            # Made by this step (the image's user) so the initializer, running as the same user, can write into
+            # it: a directory the kubelet creates for a subPath would be root's.
+            (layout.workspace_dir / "model").mkdir(parents=True, exist_ok=True)
+            out.write(f"[train] the model initializer downloads {p.base_model} into {layout.workspace_dir}/model\n")
+        return super().run(p, layout, args, out)
 
 
 def namespace(p: PipelineParams) -> str:
@@ -308,7 +352,7 @@ def run_train(p: PipelineParams, run_id: str, data_dir: str, backend: TrainBacke
     resuming = any(layout.checkpoint_dir.iterdir())
     out.write(f"[train] run {run_id}, attempt {attempt} of the train step, backend {backend.name}; "
               f"{'resuming from ' + str(layout.checkpoint_dir) if resuming else 'no checkpoint yet'}\n")
-    args = trainer_args(p, layout, data_dir, resolve_init_from(p, out))
+    args = trainer_args(p, layout, data_dir, resolve_init_from(p, out), backend.base_model_path(p))
     _record_attempt(layout, {"event": "begin", "attempt": attempt, "backend": backend.name, "args": args})
     try:
         run = backend.run(p, layout, args, out)

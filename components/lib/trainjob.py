@@ -9,10 +9,22 @@ Two resources, both built only from the ``kubeflow_trainer_api`` models (PyPI ``
   our image, a memory-backed ``/dev/shm`` and the shared PVC at ``/mnt/shared``. It ships rendered in
   ``deploy/cluster/trainjob-runtime/`` (``python -m components.lib.trainjob`` prints it; a test keeps the
   file equal to this function's output).
+- `build_runtime` with ``model_initializer=True`` gives ``MODEL_RUNTIME_NAME``: the same plus Kubeflow
+  Trainer's model initializer (upstream image, replicated job and container ``model-initializer``), which
+  downloads ``spec.initializer.model.storageUri`` (hf://, s3://) into ``/workspace/model`` before the ``node``
+  job starts (``dependsOn: Complete``). ``/workspace`` is the volume ``initializer`` in both pods: the shared
+  PVC at the run's own directory (``subPathExpr: $(WORKSPACE_SUBPATH)``, set per TrainJob to
+  ``<workdir below the PVC>/<run id>/workspace``), so every node of a multi-node job reads the same copy and
+  no extra volume is provisioned. There is no dataset initializer: data prep, a pipeline step before the job,
+  already read the corpus (s3://, gs://, hf://) and wrote token shards to the PVC, where the training pods and
+  the evaluation step read them; and upstream v2.3 runs every initializer job a runtime declares (one without
+  ``STORAGE_URI`` fails), so a dataset initializer would force each job to download a dataset it never reads.
 - `build_trainjob` turns the same `TrainJobSpec` the PyTorchJob backend takes into a ``TrainJob`` that
   references the runtime: image, args, nodes, ranks per node, resources and env in ``spec.trainer``; the
   per-run volume (PVC name, /dev/shm size), node selector, tolerations, service account and image pull
-  secrets in a ``runtimePatches`` entry of ours.
+  secrets in a ``runtimePatches`` entry of ours; with a `ModelInitializer`, ``spec.initializer.model`` (storage
+  URI, the workspace directory, credentials as optional ``secretKeyRef`` env under the initializer's names:
+  `MODEL_INITIALIZER_ENV`) on ``MODEL_RUNTIME_NAME``.
 
 The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend):
 
@@ -21,8 +33,10 @@ The exit-code contract as a failure policy (FT: the cluster recovery layer for t
   ``PodFailurePolicy``. Any other failure (>= 128: killed, preempted, budget spent, unhealthy node) fails the
   Job with ``BackoffLimitExceeded``.
 - The JobSet's ``failurePolicy`` rule ``FailJobSet`` on ``PodFailurePolicy`` ends the whole job at once: a
-  permanent code is never restarted. Every other Job failure takes JobSet's default action,
-  ``RestartJobSet``: all pods are recreated and the trainer resumes from its latest checkpoint.
+  permanent code is never restarted. A model initializer that still fails after its Job's own retries
+  (``INITIALIZER_BACKOFF_LIMIT``: a wrong repo, a refused token) ends it too (rule ``ModelDownloadFailed``).
+  Every other Job failure takes JobSet's default action, ``RestartJobSet``: all pods are recreated and the
+  trainer resumes from its latest checkpoint.
 - The restart *budget* is the launcher's own (``max_cluster_restarts``, per run), as for PyTorchJob: JobSet's
   ``maxRestarts`` lives in the shared runtime and cannot be patched per TrainJob, so it is set to the largest
   budget the pipeline accepts (`MAX_RESTARTS`) as a server-side backstop, and the launcher counts JobSet's
@@ -53,6 +67,7 @@ from components.lib.pytorchjob import (
     SHARED_VOLUME,
     SHM_PATH,
     SHM_VOLUME,
+    ModelInitializer,
     TrainJobSpec,
     is_dns1035,
 )
@@ -88,6 +103,29 @@ RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 DEFAULT_PULL_POLICY = "IfNotPresent"
 DEFAULT_SHM_SIZE = "1Gi"
 
+# --- the model initializer (Kubeflow Trainer v2.3: pkg/initializers, pkg/constants) ---------------------------
+MODEL_RUNTIME_NAME = "resilient-train-torch-model-initializer"
+MODEL_INITIALIZER = "model-initializer"
+"""Name of its replicated job, container and ancestor label value (fixed by the trainer's controller)."""
+MODEL_INITIALIZER_IMAGE = "ghcr.io/kubeflow/trainer/model-initializer:v2.3.0"
+INITIALIZER_VOLUME = "initializer"
+"""The volume the controller's webhook requires in an initializer container."""
+WORKSPACE = "/workspace"
+MODEL_PATH = f"{WORKSPACE}/model"
+"""Where the initializer writes the model; the trainer gets ``--model.from_hf`` pointing here."""
+WORKSPACE_SUBPATH_ENV = "WORKSPACE_SUBPATH"
+DEFAULT_WORKSPACE_SUBPATH = "resilient-train/workspace"
+"""Used only by a TrainJob that does not set `WORKSPACE_SUBPATH_ENV` (the launcher always does)."""
+INITIALIZER_BACKOFF_LIMIT = 2
+"""Pod retries of a failed download (a network error) before the initializer Job, then the TrainJob, fails."""
+MODEL_DOWNLOAD_RULE = "ModelDownloadFailed"
+MODEL_INITIALIZER_ENV = {
+    "hf://": {"HF_TOKEN": "ACCESS_TOKEN"},
+    "s3://": {"AWS_ACCESS_KEY_ID": "ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "SECRET_ACCESS_KEY",
+              "AWS_ENDPOINT_URL": "ENDPOINT", "AWS_REGION": "REGION"},
+}
+"""Secret key (``components.lib.credentials``) -> the initializer's env variable, per storage URI scheme."""
+
 
 def _quantity(value: str) -> m.IoK8sApimachineryPkgApiResourceQuantity:
     return m.IoK8sApimachineryPkgApiResourceQuantity(value)
@@ -106,12 +144,35 @@ RUNTIME_IMAGE = "ghcr.io/resilient-train/resilient-train:0.1.0"
 """The runtime's default image: every TrainJob the launcher builds sets the run's image in ``spec.trainer``."""
 
 
-def _node_job(image: str, pvc_name: str) -> m.JobsetV1alpha2ReplicatedJob:
+def _initializer_volume(pvc_name: str) -> m.IoK8sApiCoreV1Volume:
+    return m.IoK8sApiCoreV1Volume(name=INITIALIZER_VOLUME, persistent_volume_claim=(
+        m.IoK8sApiCoreV1PersistentVolumeClaimVolumeSource(claim_name=pvc_name)))
+
+
+def _workspace_mount() -> m.IoK8sApiCoreV1VolumeMount:
+    return m.IoK8sApiCoreV1VolumeMount(name=INITIALIZER_VOLUME, mount_path=WORKSPACE,
+                                       sub_path_expr=f"$({WORKSPACE_SUBPATH_ENV})")
+
+
+def _security_context() -> m.IoK8sApiCoreV1PodSecurityContext:
+    # The image's non-root user (trainer_image/Dockerfile); fsGroup makes the shared volume writable. The model
+    # initializer runs as the same user, so the files it writes into the run's workspace are the run's own.
+    return m.IoK8sApiCoreV1PodSecurityContext(run_as_non_root=True, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID,
+                                              fs_group=IMAGE_UID)
+
+
+def _node_job(image: str, pvc_name: str, model_initializer: bool = False) -> m.JobsetV1alpha2ReplicatedJob:
+    env = [m.IoK8sApiCoreV1EnvVar(name="PYTHONUNBUFFERED", value="1")]
+    mounts = [m.IoK8sApiCoreV1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH),
+              m.IoK8sApiCoreV1VolumeMount(name=SHARED_VOLUME, mount_path=SHARED_MOUNT)]
+    volumes = _volumes(pvc_name, DEFAULT_SHM_SIZE)
+    if model_initializer:
+        env.append(m.IoK8sApiCoreV1EnvVar(name=WORKSPACE_SUBPATH_ENV, value=DEFAULT_WORKSPACE_SUBPATH))
+        mounts.append(_workspace_mount())
+        volumes.append(_initializer_volume(pvc_name))
     container = m.IoK8sApiCoreV1Container(
-        name=NODE, image=image, image_pull_policy=DEFAULT_PULL_POLICY, command=[ENTRYPOINT],
-        env=[m.IoK8sApiCoreV1EnvVar(name="PYTHONUNBUFFERED", value="1")],
-        volume_mounts=[m.IoK8sApiCoreV1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH),
-                       m.IoK8sApiCoreV1VolumeMount(name=SHARED_VOLUME, mount_path=SHARED_MOUNT)])
+        name=NODE, image=image, image_pull_policy=DEFAULT_PULL_POLICY, command=[ENTRYPOINT], env=env,
+        volume_mounts=mounts)
     # FT: exit codes 1-127 fail the Job with reason PodFailurePolicy (never restarted); the JobSet rule below
     # turns that into FailJobSet. backoffLimit 0: any other failure fails the Job, and JobSet restarts the set.
     failure = m.IoK8sApiBatchV1PodFailurePolicy(rules=[m.IoK8sApiBatchV1PodFailurePolicyRule(
@@ -122,27 +183,54 @@ def _node_job(image: str, pvc_name: str) -> m.JobsetV1alpha2ReplicatedJob:
                                                            labels={MANAGED_BY_LABEL: MANAGED_BY}),
         spec=m.IoK8sApiCoreV1PodSpec(
             restart_policy="Never",  # podFailurePolicy requires it; restarts are JobSet's
-            containers=[container], volumes=_volumes(pvc_name, DEFAULT_SHM_SIZE),
-            # The image's non-root user (trainer_image/Dockerfile); fsGroup makes the shared volume writable.
-            security_context=m.IoK8sApiCoreV1PodSecurityContext(
-                run_as_non_root=True, run_as_user=IMAGE_UID, run_as_group=IMAGE_UID, fs_group=IMAGE_UID)))
+            containers=[container], volumes=volumes, security_context=_security_context()))
     return m.JobsetV1alpha2ReplicatedJob(
         name=NODE, replicas=1,
+        depends_on=[m.JobsetV1alpha2DependsOn(name=MODEL_INITIALIZER, status="Complete")] if model_initializer
+        else None,
         template=m.IoK8sApiBatchV1JobTemplateSpec(
             metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels={ANCESTOR_LABEL: "trainer"}),
             spec=m.IoK8sApiBatchV1JobSpec(backoff_limit=0, pod_failure_policy=failure, template=pod)))
 
 
-def build_runtime(image: str = RUNTIME_IMAGE, pvc_name: str = DEFAULTS.pvc_name,
-                  name: str = RUNTIME_NAME) -> m.TrainerV1alpha1ClusterTrainingRuntime:
-    """The ClusterTrainingRuntime of this trainer (see the module docstring)."""
+def _model_initializer_job(pvc_name: str) -> m.JobsetV1alpha2ReplicatedJob:
+    """Upstream's model initializer (``python -m pkg.initializers.model``: STORAGE_URI -> /workspace/model)."""
+    container = m.IoK8sApiCoreV1Container(
+        name=MODEL_INITIALIZER, image=MODEL_INITIALIZER_IMAGE, image_pull_policy=DEFAULT_PULL_POLICY,
+        env=[m.IoK8sApiCoreV1EnvVar(name=WORKSPACE_SUBPATH_ENV, value=DEFAULT_WORKSPACE_SUBPATH),
+             # huggingface_hub.login(ACCESS_TOKEN) stores the token under HF_HOME: writable for the non-root user
+             m.IoK8sApiCoreV1EnvVar(name="HF_HOME", value="/tmp/huggingface")],
+        resources=m.IoK8sApiCoreV1ResourceRequirements(requests={"cpu": _quantity("1"), "memory": _quantity("2Gi")}),
+        volume_mounts=[_workspace_mount()])
+    pod = m.IoK8sApiCoreV1PodTemplateSpec(
+        metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(annotations=dict(POD_ANNOTATIONS),
+                                                           labels={MANAGED_BY_LABEL: MANAGED_BY}),
+        spec=m.IoK8sApiCoreV1PodSpec(restart_policy="Never", containers=[container],
+                                     volumes=[_initializer_volume(pvc_name)], security_context=_security_context()))
+    return m.JobsetV1alpha2ReplicatedJob(
+        name=MODEL_INITIALIZER, replicas=1,
+        template=m.IoK8sApiBatchV1JobTemplateSpec(
+            metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels={ANCESTOR_LABEL: MODEL_INITIALIZER}),
+            spec=m.IoK8sApiBatchV1JobSpec(backoff_limit=INITIALIZER_BACKOFF_LIMIT, template=pod)))
+
+
+def build_runtime(image: str = RUNTIME_IMAGE, pvc_name: str = DEFAULTS.pvc_name, name: str | None = None,
+                  model_initializer: bool = False) -> m.TrainerV1alpha1ClusterTrainingRuntime:
+    """The ClusterTrainingRuntime of this trainer, with the model initializer or without (module docstring)."""
+    rules = [m.JobsetV1alpha2FailurePolicyRule(name=PERMANENT_RULE, action=FAIL_JOBSET,
+                                               on_job_failure_reasons=[POD_FAILURE_POLICY_REASON])]
+    jobs = [_node_job(image, pvc_name, model_initializer)]
+    if model_initializer:  # FT: a download that failed its Job's retries is permanent: no JobSet restart
+        rules.insert(0, m.JobsetV1alpha2FailurePolicyRule(name=MODEL_DOWNLOAD_RULE, action=FAIL_JOBSET,
+                                                          target_replicated_jobs=[MODEL_INITIALIZER]))
+        jobs.insert(0, _model_initializer_job(pvc_name))
     jobset = m.JobsetV1alpha2JobSetSpec(
-        replicated_jobs=[_node_job(image, pvc_name)],
+        replicated_jobs=jobs,
         ttl_seconds_after_finished=DEFAULT_TTL_AFTER_FINISHED_S,
         failure_policy=m.JobsetV1alpha2FailurePolicy(
             max_restarts=MAX_RESTARTS,  # backstop only: the launcher enforces each run's max_cluster_restarts
-            rules=[m.JobsetV1alpha2FailurePolicyRule(name=PERMANENT_RULE, action=FAIL_JOBSET,
-                                                     on_job_failure_reasons=[POD_FAILURE_POLICY_REASON])]))
+            rules=rules))
+    name = name or (MODEL_RUNTIME_NAME if model_initializer else RUNTIME_NAME)
     return m.TrainerV1alpha1ClusterTrainingRuntime(
         api_version=API_VERSION, kind=RUNTIME_KIND,
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=name, labels={FRAMEWORK_LABEL: "torch"}),
@@ -164,6 +252,9 @@ def unsupported_fields(spec: TrainJobSpec) -> list[str]:
         errors.append("pvc_name: the runtime mounts the shared PVC; name it")
     if spec.mount_path != SHARED_MOUNT:
         errors.append(f"mount_path: the runtime mounts the shared PVC at {SHARED_MOUNT}; got {spec.mount_path!r}")
+    if spec.credentials_secret and spec.model_initializer is None:
+        errors.append("credentials_secret: a TrainJob hands credentials to its model initializer only; set "
+                      "model_initializer")
     return errors
 
 
@@ -181,32 +272,58 @@ def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
     tolerations = [m.IoK8sApiCoreV1Toleration(
         key=t.get("key"), operator=t.get("operator"), value=t.get("value"), effect=t.get("effect"),
         toleration_seconds=t.get("tolerationSeconds")) for t in spec.tolerations]
+    volumes = _volumes(str(spec.pvc_name), spec.shm_size)
+    if spec.model_initializer is not None:  # the run's PVC behind /workspace too
+        volumes.append(_initializer_volume(str(spec.pvc_name)))
     pod = m.TrainerV1alpha1PodTemplatePatch(
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels=_labels(spec)),
         spec=m.TrainerV1alpha1PodSpecPatch(
-            volumes=_volumes(str(spec.pvc_name), spec.shm_size), node_selector=dict(spec.node_selector) or None,
+            volumes=volumes, node_selector=dict(spec.node_selector) or None,
             tolerations=tolerations or None, service_account_name=spec.service_account,
             image_pull_secrets=[m.IoK8sApiCoreV1LocalObjectReference(name=n) for n in spec.image_pull_secrets]
             or None))
-    node = m.TrainerV1alpha1ReplicatedJobPatch(
-        name=NODE, template=m.TrainerV1alpha1JobTemplatePatch(spec=m.TrainerV1alpha1JobSpecPatch(template=pod)))
+    jobs = [m.TrainerV1alpha1ReplicatedJobPatch(
+        name=NODE, template=m.TrainerV1alpha1JobTemplatePatch(spec=m.TrainerV1alpha1JobSpecPatch(template=pod)))]
+    if spec.model_initializer is not None:
+        # The initializer's pod: the same PVC; a CPU pod, so none of the training pods' GPU placement.
+        init_pod = m.TrainerV1alpha1PodTemplatePatch(
+            metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels=_labels(spec)),
+            spec=m.TrainerV1alpha1PodSpecPatch(volumes=[_initializer_volume(str(spec.pvc_name))],
+                                               service_account_name=spec.service_account))
+        jobs.insert(0, m.TrainerV1alpha1ReplicatedJobPatch(name=MODEL_INITIALIZER, template=(
+            m.TrainerV1alpha1JobTemplatePatch(spec=m.TrainerV1alpha1JobSpecPatch(template=init_pod)))))
     return m.TrainerV1alpha1RuntimePatch(
         manager=PATCH_MANAGER, training_runtime_spec=m.TrainerV1alpha1TrainingRuntimeSpecPatch(
             template=m.TrainerV1alpha1JobSetTemplatePatch(
-                spec=m.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=[node]))))
+                spec=m.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=jobs))))
+
+
+def _initializer(init: ModelInitializer, secret: str | None) -> m.TrainerV1alpha1Initializer:
+    env = [m.IoK8sApiCoreV1EnvVar(name=WORKSPACE_SUBPATH_ENV, value=init.workspace_subpath)]
+    scheme = next(s for s in MODEL_INITIALIZER_ENV if init.storage_uri.startswith(s))
+    if secret:  # never a value in the manifest: optional references, an absent key is skipped
+        env += [m.IoK8sApiCoreV1EnvVar(name=name, value_from=m.IoK8sApiCoreV1EnvVarSource(
+            secret_key_ref=m.IoK8sApiCoreV1SecretKeySelector(name=secret, key=key, optional=True)))
+            for key, name in MODEL_INITIALIZER_ENV[scheme].items()]
+    return m.TrainerV1alpha1Initializer(model=m.TrainerV1alpha1ModelInitializer(storage_uri=init.storage_uri, env=env))
 
 
 def _labels(spec: TrainJobSpec) -> dict[str, str]:
     return {**spec.labels, MANAGED_BY_LABEL: MANAGED_BY}
 
 
-def build_trainjob(spec: TrainJobSpec, runtime: str = RUNTIME_NAME) -> m.TrainerV1alpha1TrainJob:
-    """The TrainJob for `spec` on ClusterTrainingRuntime `runtime`; ValueError for settings it cannot carry."""
+def build_trainjob(spec: TrainJobSpec, runtime: str | None = None) -> m.TrainerV1alpha1TrainJob:
+    """The TrainJob for `spec` on ClusterTrainingRuntime `runtime` (default: ours, with the model initializer
+    when `spec` has one); ValueError for settings it cannot carry."""
     errors = unsupported_fields(spec)
     if errors:
         raise ValueError(f"TrainJobSpec {spec.name!r} cannot run as a TrainJob:\n  - " + "\n  - ".join(errors))
+    init = spec.model_initializer
+    runtime = runtime or (MODEL_RUNTIME_NAME if init else RUNTIME_NAME)
     env = [m.IoK8sApiCoreV1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts))]
     env += [m.IoK8sApiCoreV1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
+    if init:
+        env.append(m.IoK8sApiCoreV1EnvVar(name=WORKSPACE_SUBPATH_ENV, value=init.workspace_subpath))
     return m.TrainerV1alpha1TrainJob(
         api_version=API_VERSION, kind=KIND,
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
@@ -215,6 +332,7 @@ def build_trainjob(spec: TrainJobSpec, runtime: str = RUNTIME_NAME) -> m.Trainer
         spec=m.TrainerV1alpha1TrainJobSpec(
             runtime_ref=m.TrainerV1alpha1RuntimeRef(api_group=GROUP, kind=RUNTIME_KIND, name=runtime),
             active_deadline_seconds=spec.active_deadline_seconds,
+            initializer=_initializer(init, spec.credentials_secret) if init else None,
             trainer=m.TrainerV1alpha1Trainer(
                 image=spec.image, args=list(spec.args), env=env, num_nodes=spec.nodes,
                 num_proc_per_node=spec.nproc_per_node, resources_per_node=_resources(spec)),
@@ -239,14 +357,28 @@ def webhook_errors(manifest: Mapping[str, Any]) -> list[str]:
     reserved = sorted({e.get("name") for e in trainer.get("env") or []} & set(TORCH_RESERVED_ENV))
     if reserved:
         errors.append(f"spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: {reserved}")
+    runtime = (spec.get("runtimeRef") or {}).get("name")
+    jobs_of_runtime = RUNTIME_JOBS.get(runtime, ())
+    if ((spec.get("initializer") or {}).get("model")) and MODEL_INITIALIZER not in jobs_of_runtime:
+        errors.append(f"spec.runtimeRef: Invalid value: must have {MODEL_INITIALIZER} job when trainJob is "
+                      f"configured with input modelConfig (runtime {runtime!r}; use {MODEL_RUNTIME_NAME!r})")
     for patch in spec.get("runtimePatches") or []:
         jobs = ((((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {})
                 .get("replicatedJobs") or [])
         for job in jobs:
-            if job.get("name") != NODE:
+            if job.get("name") not in jobs_of_runtime:
                 errors.append(f"spec.runtimePatches: Invalid value: replicated job {job.get('name')!r} is not in "
-                              f"runtime {RUNTIME_NAME!r} (it has {NODE!r})")
+                              f"runtime {runtime!r} (it has {list(jobs_of_runtime)})")
+            for c in (((job.get("template") or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get(
+                    "containers") or []:
+                if c.get("env"):
+                    errors.append(f"spec.runtimePatches: Invalid value: must not have envs for the container "
+                                  f"{c.get('name')!r}")
     return errors
+
+
+RUNTIME_JOBS = {RUNTIME_NAME: (NODE,), MODEL_RUNTIME_NAME: (MODEL_INITIALIZER, NODE)}
+"""Replicated jobs of each runtime we ship."""
 
 
 def node0_selector(name: str) -> str:
@@ -255,23 +387,28 @@ def node0_selector(name: str) -> str:
             f"{COMPLETION_INDEX_LABEL}=0")
 
 
-def runtime_yaml(image: str = RUNTIME_IMAGE, pvc_name: str = DEFAULTS.pvc_name) -> str:
-    """The shipped runtime file's text (deploy/cluster/trainjob-runtime/clustertrainingruntime.yaml)."""
-    header = ("# Generated by `python -m components.lib.trainjob` from components/lib/trainjob.py (build_runtime);\n"
-              "# a test keeps it equal. Cluster-scoped: a cluster admin applies it once per cluster.\n")
-    return header + yaml.safe_dump(to_manifest(build_runtime(image, pvc_name)), sort_keys=False, default_flow_style=None)
+def runtime_yaml(image: str = RUNTIME_IMAGE, pvc_name: str = DEFAULTS.pvc_name, model_initializer: bool = False) -> str:
+    """A shipped runtime file's text: deploy/cluster/trainjob-runtime/clustertrainingruntime.yaml, or
+    clustertrainingruntime-model-initializer.yaml with `model_initializer`."""
+    flag = " --model-initializer" if model_initializer else ""
+    header = (f"# Generated by `python -m components.lib.trainjob{flag}` from components/lib/trainjob.py "
+              "(build_runtime);\n# a test keeps it equal. Cluster-scoped: a cluster admin applies it once per cluster.\n")
+    runtime = build_runtime(image, pvc_name, model_initializer=model_initializer)
+    return header + yaml.safe_dump(to_manifest(runtime), sort_keys=False, default_flow_style=None)
 
 
 _IMAGE = re.compile(r"^\S+$")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the ClusterTrainingRuntime: ``python -m components.lib.trainjob [IMAGE [PVC]]``."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) > 2 or (args and not _IMAGE.match(args[0])):
-        print("usage: python -m components.lib.trainjob [IMAGE [PVC_NAME]]", file=sys.stderr)
+    """Print a ClusterTrainingRuntime: ``python -m components.lib.trainjob [--model-initializer] [IMAGE [PVC]]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    model_initializer = "--model-initializer" in args
+    args = [a for a in args if a != "--model-initializer"]
+    if len(args) > 2 or (args and (not _IMAGE.match(args[0]) or args[0].startswith("-"))):
+        print("usage: python -m components.lib.trainjob [--model-initializer] [IMAGE [PVC_NAME]]", file=sys.stderr)
         return 2
-    sys.stdout.write(runtime_yaml(*args))
+    sys.stdout.write(runtime_yaml(*args, model_initializer=model_initializer))
     return 0
 
 

@@ -23,6 +23,7 @@ BACKEND_OF = {"local-dev": "pytorchjob", "gpu-cluster": "pytorchjob", "kueue": "
 CRDS = REPO / "deploy" / "crds"
 PYTORCHJOB_CRD = CRDS / "kubeflow.org_pytorchjobs.v1.9.4.yaml"
 TENSORBOARD_CRD = CRDS / "tensorboard.kubeflow.org_tensorboards.notebooks-44c97f1.yaml"
+INFERENCESERVICE_CRD = CRDS / "serving.kserve.io_inferenceservices.v0.15.2.yaml"
 #: (apiVersion, kind) -> (vendored CRD file, served version) of every custom resource we build or ship.
 CRD_OF = {
     ("kubeflow.org/v1", "PyTorchJob"): (PYTORCHJOB_CRD, "v1"),
@@ -30,6 +31,7 @@ CRD_OF = {
     ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"):
         (CRDS / "trainer.kubeflow.org_clustertrainingruntimes.v2.3.0.yaml", "v1alpha1"),
     ("tensorboard.kubeflow.org/v1alpha1", "Tensorboard"): (TENSORBOARD_CRD, "v1alpha1"),
+    ("serving.kserve.io/v1beta1", "InferenceService"): (INFERENCESERVICE_CRD, "v1beta1"),
 }
 # The oldest Kubernetes we claim to support; kubernetes-validate ships its OpenAPI schemas.
 K8S_VERSION = "1.30.0"

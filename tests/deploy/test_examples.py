@@ -120,3 +120,18 @@ def test_readme_cluster_commands_run_as_written(cluster):
         assert run(command) == 0, command
     submitted = [kw for method, kw in cluster if method == "create_run_from_pipeline_package"]
     assert submitted and all(kw["service_account"] == cli.SERVICE_ACCOUNT for kw in submitted)
+
+
+def test_readme_bring_your_own_commands_submit_those_parameters(cluster):
+    section = README.read_text().split("## Bring your own data and model", 1)[1]
+    cluster_section = README.read_text().split("## Run it on your cluster", 1)[1].split("## Bring your own", 1)[0]
+    for command in pipeline_commands(cluster_section):  # the compile step writes the package it submits
+        if command[:2] == ["pipelines.compile", "--image"]:
+            assert run(command) == 0
+    commands = pipeline_commands(section)
+    assert [c[:2] for c in commands] == [["pipelines.cli", "submit"]]
+    assert run(commands[0]) == 0
+    (kwargs,) = [kw for method, kw in cluster if method == "create_run_from_pipeline_package"]
+    arguments = kwargs["arguments"]
+    assert arguments["base_model"] == "hf://meta-llama/Llama-3.2-1B" and arguments["corpus"].startswith("s3://")
+    assert arguments["corpus_secret"] == "train-data-credentials" and arguments["text_field"] == "text"

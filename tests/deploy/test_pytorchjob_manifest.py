@@ -61,3 +61,19 @@ def test_launcher_pytorchjob_matches_crd_and_deployment(case):
         assert labels[KUEUE_LABEL] == the(render(DEPLOY / "overlays" / "kueue"), "LocalQueue")["metadata"]["name"]
     else:
         assert KUEUE_LABEL not in labels
+
+
+def test_a_base_model_download_gets_the_credentials_by_reference_only():
+    """base_model=hf://... on a PyTorchJob: the trainer downloads it, with the credentials Secret's keys as optional
+    secretKeyRef env (absent keys and a missing Secret are fine); no value is in the manifest."""
+    from components.lib.credentials import TRAINER_ENV
+    from components.lib.pytorchjob import ModelInitializer
+
+    manifest = to_manifest(build_pytorchjob(spec_for("gpu-cluster", credentials_secret="team-creds")))
+    validate_object(manifest)
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        (container,) = replica["template"]["spec"]["containers"]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+        assert refs == {name: {"name": "team-creds", "key": key, "optional": True} for key, name in TRAINER_ENV.items()}
+    with pytest.raises(ValueError, match="a PyTorchJob has no model initializer"):
+        build_pytorchjob(spec_for("gpu-cluster", model_initializer=ModelInitializer("hf://a/b", "rt/r1/workspace")))

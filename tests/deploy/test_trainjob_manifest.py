@@ -9,20 +9,23 @@ from deploy_checks import DEPLOY, render, the, validate_custom, validate_object
 
 from components.lib import trainjob
 from components.lib.params import SHARED_MOUNT
-from components.lib.pytorchjob import ENTRYPOINT, TrainJobSpec, job_name
+from components.lib.pytorchjob import ENTRYPOINT, ModelInitializer, TrainJobSpec, job_name
 
 RUNTIME_DIR = DEPLOY / "cluster" / "trainjob-runtime"
 KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
-def test_shipped_runtime_is_the_builders_output():
-    shipped = (RUNTIME_DIR / "clustertrainingruntime.yaml").read_text()
-    assert shipped == trainjob.runtime_yaml(), (
-        "deploy/cluster/trainjob-runtime/clustertrainingruntime.yaml is stale: regenerate it with "
-        "`python -m components.lib.trainjob > deploy/cluster/trainjob-runtime/clustertrainingruntime.yaml`")
+@pytest.mark.parametrize(("file", "flag"), [("clustertrainingruntime.yaml", ""),
+                                          ("clustertrainingruntime-model-initializer.yaml", " --model-initializer")])
+def test_shipped_runtime_is_the_builders_output(file, flag):
+    shipped = (RUNTIME_DIR / file).read_text()
+    assert shipped == trainjob.runtime_yaml(model_initializer=bool(flag)), (
+        f"deploy/cluster/trainjob-runtime/{file} is stale: regenerate it with "
+        f"`python -m components.lib.trainjob{flag} > deploy/cluster/trainjob-runtime/{file}`")
 
 
 def test_runtime_renders_and_validates():
+    assert trainjob.main(["--model-initializer", "-x"]) == 2  # the CLI refuses what it does not know
     runtime = the(render(RUNTIME_DIR), "ClusterTrainingRuntime", trainjob.RUNTIME_NAME)
     validate_object(runtime)
     assert "namespace" not in runtime["metadata"]  # cluster-scoped
@@ -134,3 +137,86 @@ def test_webhook_rules_reject_reserved_env_and_unknown_jobs():
     manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["name"] = "x"
     errors = trainjob.webhook_errors(manifest)
     assert len(errors) == 2 and "reserved envs" in errors[0] and "'x' is not in runtime" in errors[1], errors
+
+
+# --- the model initializer (Kubeflow Trainer v2.3) -------------------------------------------------------------
+UPSTREAM_MODEL_INITIALIZER_ENV = {
+    "hf://": {"STORAGE_URI", "IGNORE_PATTERNS", "ACCESS_TOKEN"},
+    "s3://": {"STORAGE_URI", "IGNORE_PATTERNS", "ENDPOINT", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY", "REGION", "ROLE_ARN"},
+}
+"""The env the upstream initializer reads (kubeflow/trainer v2.3.0 pkg/initializers/types/types.py:
+HuggingFaceModelInitializer, S3ModelInitializer; utils.get_config_from_env upper-cases the field names)."""
+
+
+def test_model_initializer_runtime_has_the_jobs_the_controller_requires():
+    runtime = the(render(RUNTIME_DIR), "ClusterTrainingRuntime", trainjob.MODEL_RUNTIME_NAME)
+    validate_object(runtime)
+    jobs = {j["name"]: j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    assert list(jobs) == [trainjob.MODEL_INITIALIZER, trainjob.NODE]
+    init = jobs[trainjob.MODEL_INITIALIZER]
+    assert init["template"]["metadata"]["labels"][trainjob.ANCESTOR_LABEL] == "model-initializer"
+    init_pod = init["template"]["spec"]["template"]["spec"]
+    (container,) = init_pod["containers"]
+    assert container["name"] == "model-initializer" and container["image"].endswith(":v2.3.0")
+    assert jobs[trainjob.NODE]["dependsOn"] == [{"name": "model-initializer", "status": "Complete"}]
+    node_pod = jobs[trainjob.NODE]["template"]["spec"]["template"]["spec"]
+    (node,) = node_pod["containers"]
+    for pod, c in ((init_pod, container), (node_pod, node)):
+        # the webhook's requirement (a mount named "initializer"), at /workspace, the run's own directory of the PVC
+        (mount,) = [mt for mt in c["volumeMounts"] if mt["name"] == "initializer"]
+        assert mount == {"name": "initializer", "mountPath": "/workspace", "subPathExpr": "$(WORKSPACE_SUBPATH)"}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["initializer"]["persistentVolumeClaim"] == {"claimName": "train-shared"}
+        assert pod["securityContext"]["runAsUser"] == 1000  # the initializer writes as the run's own user
+    rules = runtime["spec"]["template"]["spec"]["failurePolicy"]["rules"]
+    assert rules[0] == {"name": "ModelDownloadFailed", "action": "FailJobSet",
+                        "targetReplicatedJobs": ["model-initializer"]}
+    plain = the(render(RUNTIME_DIR), "ClusterTrainingRuntime", trainjob.RUNTIME_NAME)
+    assert [j["name"] for j in plain["spec"]["template"]["spec"]["replicatedJobs"]] == [trainjob.NODE]
+
+
+@pytest.mark.parametrize(("uri", "secret_keys"), [
+    ("hf://meta-llama/Llama-3.2-1B", {"ACCESS_TOKEN": "HF_TOKEN"}),
+    ("s3://models/llama-3.1-8b", {"ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+                                  "ENDPOINT": "AWS_ENDPOINT_URL", "REGION": "AWS_REGION"}),
+])
+def test_trainjob_with_a_base_model_uri_downloads_it_with_the_initializer(uri, secret_keys):
+    init = ModelInitializer(uri, "resilient-train/run-1/workspace")
+    spec = spec_for("trainjob", model_initializer=init, credentials_secret="team-creds", nodes=2,
+                    nproc_per_node=8, gpus_per_node=8)
+    manifest = trainjob.to_manifest(trainjob.build_trainjob(spec))
+    validate_custom(manifest)
+    assert trainjob.webhook_errors(manifest) == []
+    body = manifest["spec"]
+    assert body["runtimeRef"]["name"] == trainjob.MODEL_RUNTIME_NAME
+    model = body["initializer"]["model"]
+    assert model["storageUri"] == uri and "dataset" not in body["initializer"]
+    env = {e["name"]: e for e in model["env"]}
+    assert env.pop("WORKSPACE_SUBPATH")["value"] == "resilient-train/run-1/workspace"
+    assert {name: e["valueFrom"]["secretKeyRef"] for name, e in env.items()} == {
+        name: {"name": "team-creds", "key": key, "optional": True} for name, key in secret_keys.items()}
+    assert set(env) <= UPSTREAM_MODEL_INITIALIZER_ENV[uri[:5]]  # names the upstream initializer reads
+    trainer_env = {e["name"]: e.get("value") for e in body["trainer"]["env"]}
+    assert trainer_env["WORKSPACE_SUBPATH"] == "resilient-train/run-1/workspace"  # the nodes see the same copy
+    (patch,) = body["runtimePatches"]
+    jobs = {j["name"]: j["template"]["spec"]["template"]["spec"]
+            for j in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]}
+    assert set(jobs) == {"model-initializer", "node"}
+    for pod in jobs.values():
+        assert {"name": "initializer", "persistentVolumeClaim": {"claimName": "train-shared"}} in pod["volumes"]
+    assert "tolerations" not in jobs["model-initializer"]  # a CPU pod: not the GPU placement
+
+
+def test_initializer_settings_that_cannot_work_fail_before_submission():
+    with pytest.raises(ValueError, match="credentials_secret: a TrainJob hands credentials to its model initializer"):
+        trainjob.build_trainjob(spec_for("trainjob", credentials_secret="team-creds"))
+    with pytest.raises(ValueError, match="model_initializer needs an hf:// or s3:// storage_uri"):
+        spec_for("trainjob", model_initializer=ModelInitializer("gs://b/m", "rt/r1/workspace"))
+    with pytest.raises(ValueError, match="relative to the PVC's root"):
+        spec_for("trainjob", model_initializer=ModelInitializer("hf://a/b", "/mnt/shared/rt/r1/workspace"))
+    manifest = trainjob.to_manifest(trainjob.build_trainjob(
+        spec_for("trainjob", model_initializer=ModelInitializer("hf://a/b", "rt/r1/workspace")),
+        runtime=trainjob.RUNTIME_NAME))
+    errors = trainjob.webhook_errors(manifest)
+    assert any("must have model-initializer job" in e for e in errors), errors
+    assert any("'model-initializer' is not in runtime" in e for e in errors), errors

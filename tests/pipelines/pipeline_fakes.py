@@ -42,3 +42,61 @@ def write_run_files(run_dir: Path, steps: int, restarts: dict[str, int] | None =
     ledger.append({"event": "summary", "steps": steps, "wall_s": 100.0, "productive_s": 80.0, "goodput": 0.8,
                    "time": t + 50, "rank": 0})
     (run_dir / "recovery.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger) + '{"torn": ')
+
+
+def write_safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
+    """A valid safetensors file of float32 zeros with these tensor shapes (the format: an 8-byte little-endian
+    header length, the JSON header, the data)."""
+    import struct
+
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = 4
+        for n in shape:
+            size *= n
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
+
+
+def write_export(out: Path, shards: int = 1, architecture: str = "LlamaForCausalLM") -> None:
+    """What ``python -m trainer.export`` writes (CONTRACTS.md item 2), with tiny random-free weights: a stand-in
+    for unit tests of the export step's plumbing only."""
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({"architectures": [architecture], "model_type": "llama",
+                                                 "hidden_size": 8, "num_hidden_layers": 1}))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": None, "eos_token_id": 0}))
+    (out / "tokenizer.json").write_text("{}")
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+    if shards == 1:
+        write_safetensors(out / "model.safetensors", {n: [4, 8] for n in names})
+        return
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        write_safetensors(out / file, {n: [4, 8] for n in part})
+        weight_map.update({n: file for n in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def fake_export_cli(path: Path, code: int = 0, shards: int = 1) -> Path:
+    """Stands in for ``python -m trainer.export STEP_DIR OUT_DIR --dtype D``: checks its arguments, prints, and
+    writes `write_export`'s directory (or exits `code`)."""
+    helper = Path(__file__).resolve().parent
+    return write_script(path, f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(helper)!r})
+        from pipeline_fakes import write_export
+        step_dir, out, flag, dtype = sys.argv[1:]
+        assert flag == "--dtype" and dtype in ("bfloat16", "float32"), sys.argv
+        print(f"exporting {{step_dir}} as {{dtype}}", flush=True)
+        if {code}:
+            print("checkpoint error: shard-00000-of-00002.pt is truncated", file=sys.stderr)
+            sys.exit({code})
+        write_export(Path(out), shards={shards})
+        print(f"exported {{step_dir}} -> {{out}}")
+    """)

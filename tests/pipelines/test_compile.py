@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.lib.params import PipelineParams
+from components.lib import credentials
+from components.lib.params import DEFAULT_CORPUS_SECRET, PipelineParams
 from components.lib.version import package_version
 from pipelines.compile import compile_pipeline, main
 
@@ -72,7 +73,7 @@ def test_local_variant_backs_off_in_seconds(tmp_path):
 def test_caching_is_off_for_steps_with_side_effects(compiled):
     t = tasks(compiled[1])
     # validate-params too: it checks the image's version stamp, which a cached result would skip.
-    for name in ("validate-params", "data-prep", "train", "evaluate-checkpoint", "promote", "cleanup"):
+    for name in ("validate-params", "data-prep", "train", "evaluate-checkpoint", "export-model", "promote", "cleanup"):
         assert t[name]["cachingOptions"] == {}, name  # enableCache omitted = false
 
 
@@ -90,10 +91,37 @@ def test_exit_handler_cleans_up_after_the_whole_run(compiled):
         {"componentInputArtifact": "pipelinechannel--evaluate-checkpoint-decision"}
 
 
+def test_promotion_registers_the_export_of_the_evaluated_step(compiled):
+    inner = tasks(compiled[1])
+    condition = compiled[1]["components"]["comp-condition-2"]["dag"]["tasks"]
+    assert set(condition) == {"export-model", "promote"}  # both only when the gate says better
+    export = inner["export-model"]
+    assert export["inputs"]["artifacts"]["decision"] == \
+        {"componentInputArtifact": "pipelinechannel--evaluate-checkpoint-decision"}  # the step the gate evaluated
+    assert inner["promote"]["dependentTasks"] == ["export-model"]
+    assert inner["promote"]["inputs"]["artifacts"]["exported_model"] == \
+        {"taskOutputArtifact": {"outputArtifactKey": "exported_model", "producerTask": "export-model"}}
+    resources = compiled[1]["deploymentSpec"]["executors"]["exec-export-model"]["container"]["resources"]
+    assert resources["resourceMemoryRequest"] == "{{$.inputs.parameters['pipelinechannel--eval_memory']}}"
+    assert "accelerator" not in resources  # the export runs on CPU
+
+
+def test_the_credentials_secret_is_a_run_parameter_and_optional(compiled):
+    executors = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    (mount,) = executors["exec-data-prep"]["secretAsVolume"]
+    assert mount == {"mountPath": credentials.MOUNT_DIR, "optional": True,
+                     "secretNameParameter": {"componentInputParameter": "pipelinechannel--corpus_secret"}}
+    others = [name for name, cfg in executors.items() if name != "exec-data-prep" and
+              ("secretAsVolume" in cfg or "secretAsEnv" in cfg)]
+    assert others == [], f"only data prep gets the credentials: {others}"
+    params = compiled[1]["root"]["inputDefinitions"]["parameters"]
+    assert params["corpus_secret"]["defaultValue"] == DEFAULT_CORPUS_SECRET  # a name, never a value
+
+
 def test_kubernetes_config_where_it_belongs(compiled):
     executors = compiled[2]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     assert set(executors) == {f"exec-{n}" for n in ("validate-params", "data-prep", "train",
-                                                     "evaluate-checkpoint", "promote", "cleanup")}
+                                                     "evaluate-checkpoint", "export-model", "promote", "cleanup")}
     for name, cfg in executors.items():
         assert cfg["pvcMount"][0]["mountPath"] == "/mnt/shared", name
         assert cfg["pvcMount"][0]["pvcNameParameter"]["componentInputParameter"] in ("pvc_name",

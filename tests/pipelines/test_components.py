@@ -58,17 +58,90 @@ def test_data_prep_writes_shards_to_the_run_and_the_manifest_to_the_artifact(tmp
     assert warm.metadata["tokenizer_sha256"] == meta["tokenizer_sha256"]
 
 
-def test_promote_records_the_candidate_once(tmp_path):
-    candidate = {"checkpoint_dir": "/c", "step": 5, "model": "tiny", "val_loss": 3.0}
+CANDIDATE = {"checkpoint_dir": "/w/r1/checkpoints", "step": 5, "model": "tiny", "val_loss": 3.0, "perplexity": 20.1,
+             "val_tokens": 4096, "checkpoint": "/w/r1/checkpoints/step-00000005", "run_id": "r1",
+             "data_dir": "/w/r1/data"}
+EXPORT = {"export_dir": "/w/r1/export/step-00000005", "uri": "file:///w/r1/export/step-00000005",
+          "model_format": "safetensors", "dtype": "bfloat16", "step": 5,
+          "source_checkpoint": "/w/r1/checkpoints/step-00000005"}
+
+
+def gate_artifacts(tmp_path, export=EXPORT):
     decision = dsl.Artifact(uri=str(tmp_path / "artifact" / "decision"))
-    Path(decision.path).parent.mkdir(parents=True)
+    Path(decision.path).parent.mkdir(parents=True, exist_ok=True)
     Path(decision.path).write_text(json.dumps({"promote": True, "reason": "promoted: first", "current_id": "",
-                                               "candidate": candidate}))
+                                               "candidate": CANDIDATE}))
+    exported = dsl.Model(uri=str(tmp_path / "artifact" / "exported_model"), metadata=dict(export))
+    return decision, exported
+
+
+def test_promote_records_the_candidate_with_its_export_once(tmp_path):
+    decision, exported = gate_artifacts(tmp_path)
     kw = dict(workdir=str(tmp_path), model="tiny", promoted_registry="")
-    assert promote.python_func(decision=decision, **kw).startswith("promoted tiny step 5")
-    assert json.loads((tmp_path / "promoted-tiny.json").read_text())["checkpoint_dir"] == "/c"
+    assert promote.python_func(decision=decision, exported_model=exported, **kw).startswith("promoted tiny step 5")
+    record = json.loads((tmp_path / "promoted-tiny.json").read_text())
+    assert record["checkpoint_dir"] == "/w/r1/checkpoints"
+    # init_from=promoted still warm-starts from the checkpoint, with its data's tokenizer
+    import io
+
+    from components.lib.data_step import warm_start_data_dir
+    from components.lib.train_step import resolve_init_from
+
+    warm = PipelineParams(backend="local", workdir=str(tmp_path), init_from="promoted")
+    assert resolve_init_from(warm, io.StringIO()) == "/w/r1/checkpoints"
+    assert warm_start_data_dir("promoted", warm.registry_path()) == "/w/r1/data"
+    assert (record["export_dir"], record["model_uri"], record["model_format"]) == (
+        EXPORT["export_dir"], EXPORT["uri"], "safetensors")
     # a second promotion based on the stale "nothing promoted" view is refused, not overwritten
-    assert promote.python_func(decision=decision, **kw).startswith("not promoted")
+    assert promote.python_func(decision=decision, exported_model=exported, **kw).startswith("not promoted")
+
+
+def test_promote_refuses_an_export_of_another_step(tmp_path):
+    decision, exported = gate_artifacts(tmp_path, {**EXPORT, "step": 4,
+                                                   "source_checkpoint": "/w/r1/checkpoints/step-00000004"})
+    with pytest.raises(ValueError, match="the export is of .*step-00000004 .* but the gate evaluated"):
+        promote.python_func(decision=decision, exported_model=exported, workdir=str(tmp_path), model="tiny",
+                            promoted_registry="")
+    assert not (tmp_path / "promoted-tiny.json").exists()
+
+
+def test_data_prep_uses_the_base_models_tokenizer_and_the_mounted_credentials(tmp_path, monkeypatch, capsys):
+    """The tokenizer data prep is asked for (tokenizer, else base_model) and the Secret's keys reach its
+    environment; no value is printed or lands in the artifact."""
+    from components.lib import credentials, data_step
+
+    seen = {}
+
+    def fake_prepare(corpus, layout, **kw):
+        import os
+
+        seen.update(kw, env={k: os.environ.get(k) for k in credentials.KEYS})
+        return {"data_dir": str(layout.data_dir), "train_tokens": 1, "val_tokens": 1, "vocab_size": 300,
+                "num_shards": 2}
+
+    mount = tmp_path / "secret"
+    mount.mkdir()
+    (mount / "HF_TOKEN").write_text("hf_sentinel_value\n")
+    (mount / "GOOGLE_APPLICATION_CREDENTIALS").write_text('{"private_key": "sentinel"}')
+    monkeypatch.setattr(credentials, "MOUNT_DIR", str(mount))
+    monkeypatch.setattr(data_step, "prepare", fake_prepare)
+    for key in credentials.KEYS:  # recorded, so what data prep exports is undone after the test
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
+    common = dict(corpus="s3://bucket/c", vocab_size=300, max_corpus_bytes=0, workdir=str(tmp_path / "w"),
+                  run_id="r1", init_from="", model="tiny", promoted_registry="")
+    artifact = dsl.Dataset(uri=str(tmp_path / "artifact" / "dataset"))
+    data_prep.python_func(**common, dataset=artifact, base_model="hf://meta-llama/Llama-3.2-1B", text_field="content")
+    assert seen["tokenizer"] == "hf://meta-llama/Llama-3.2-1B" and seen["text_field"] == "content"
+    assert seen["env"]["HF_TOKEN"] == "hf_sentinel_value"
+    assert seen["env"]["GOOGLE_APPLICATION_CREDENTIALS"] == str(mount / "GOOGLE_APPLICATION_CREDENTIALS")
+    assert seen["env"]["AWS_ACCESS_KEY_ID"] is None  # a key the Secret lacks is skipped
+    data_prep.python_func(**common, dataset=artifact, base_model="hf://meta-llama/Llama-3.2-1B",
+                          tokenizer="/mnt/shared/tok/tokenizer.json")
+    assert seen["tokenizer"] == "/mnt/shared/tok/tokenizer.json"  # an explicit tokenizer wins
+    printed = capsys.readouterr().out
+    assert "credentials from the mounted Secret: GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN" in printed
+    assert "sentinel" not in printed and "sentinel" not in json.dumps(artifact.metadata)
 
 
 def test_cleanup_local_is_idempotent(tmp_path):

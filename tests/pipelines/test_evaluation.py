@@ -93,16 +93,33 @@ def test_gate_never_promotes_nan():
     assert not decide(cand(float("nan")), None, 0.0, never).promote
 
 
+def full(record):
+    """A complete promoted record (components.lib.promoted.PromotedRecord) around a gate test's record."""
+    step = record["step"]
+    return {"perplexity": math.exp(record["val_loss"]), "val_tokens": 4096, "model": "tiny", "run_id": "r1",
+            "checkpoint": f"{record['checkpoint_dir']}/step-{step:08d}", "data_dir": "/d", **record,
+            "export_dir": f"/w/r1/export/step-{step:08d}", "model_uri": f"file:///w/r1/export/step-{step:08d}",
+            "model_format": "safetensors", "export_dtype": "bfloat16"}
+
+
 def test_registry_compare_and_swap(tmp_path):
     reg = str(tmp_path / "promoted.json")
-    write_registry(reg, {**CURRENT}, expected_current="")
+    write_registry(reg, full(CURRENT), expected_current="")
     assert record_id(read_registry(reg)) == "/old@10"
     with pytest.raises(PromotionConflict):
-        write_registry(f"file://{reg}", cand(3.0), expected_current="")  # stale view of the registry
-    write_registry(reg, cand(3.0), expected_current="/old@10")
-    assert read_registry(reg)["checkpoint_dir"] == "/new" and "promoted_at" in read_registry(reg)
+        write_registry(f"file://{reg}", full(cand(3.0)), expected_current="")  # stale view of the registry
+    write_registry(reg, full(cand(3.0)), expected_current="/old@10")
+    promoted = read_registry(reg)
+    assert promoted["checkpoint_dir"] == "/new" and promoted["promoted_at"]
+    assert promoted["model_uri"] == "file:///w/r1/export/step-00000040" and promoted["model_format"] == "safetensors"
     history = (tmp_path / "promoted.json.history.jsonl").read_text().splitlines()
     assert [json.loads(h)["checkpoint_dir"] for h in history] == ["/old", "/new"]
+
+
+def test_registry_refuses_an_incomplete_record(tmp_path):
+    with pytest.raises(ValueError, match=r"lacks \[.*'perplexity'.*not written by this pipeline"):
+        write_registry(str(tmp_path / "promoted.json"), cand(3.0), expected_current="")
+    assert not (tmp_path / "promoted.json").exists()
 
 
 def test_registry_rejects_remote_uris():

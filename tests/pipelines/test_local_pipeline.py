@@ -1,4 +1,5 @@
-"""The real pipeline on ``kfp.local`` with a fault for every recovery layer (the demo's settings)."""
+"""The real pipeline on ``kfp.local`` with a fault for every recovery layer (the demo's settings), through the
+export of the promoted step (the real ``python -m trainer.export``) and its promotion."""
 
 import json
 
@@ -54,5 +55,22 @@ def test_pipeline_recovers_at_every_layer(tmp_path, capfd, monkeypatch):
     assert reports and reports[0].read_text().count("<svg") == 2
     summary = summarize(run_root)
     assert summary["decision"]["promote"] is True  # nothing was promoted in this fresh workdir
-    assert json.loads((tmp_path / "work" / "promoted-tiny.json").read_text())["run_id"] == layout.run_id
+    record = json.loads((tmp_path / "work" / "promoted-tiny.json").read_text())
+    assert record["run_id"] == layout.run_id
     assert "val loss" in format_summary(summary, 1.0)
+
+    # What is promoted is the Hugging Face directory exported from the step the gate evaluated.
+    export_dir = layout.export_dir(params["steps"])
+    assert record["checkpoint"] == str(layout.checkpoint_dir / f"step-{params['steps']:08d}")
+    assert (record["export_dir"], record["model_uri"], record["model_format"]) == (
+        str(export_dir), f"file://{export_dir}", "safetensors")
+    assert record["checkpoint_dir"] == str(layout.checkpoint_dir)  # init_from=promoted still finds it
+    exported = outputs["export-model"]["artifacts"]["exported_model"]["artifacts"][0]["metadata"]
+    assert exported["export_dir"] == str(export_dir) and exported["source_checkpoint"] == record["checkpoint"]
+    assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert not list(export_dir.parent.glob("*.partial"))
+    import transformers  # a dev dependency (the hf-model branch), as trainer.export is its CLI
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export_dir)
+    assert model.config.vocab_size >= len(tokenizer) and tokenizer("def f(x):")["input_ids"]

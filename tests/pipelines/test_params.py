@@ -50,7 +50,23 @@ def test_steps_must_exceed_checkpoint_interval():
     ({"step_image_pull_secret": "Reg Cred"}, "step_image_pull_secret must be one Secret name"),
     ({"corpus": "https://example.com/c.txt"}, "data prep cannot read 'https' URIs"),
     ({"corpus": "ftp://example.com/c.txt"}, "file://, s3://, gs://, gcs://, hf://"),
-    ({"corpus": "hf://meta-llama/Llama-3.1-8B"}, "hf://datasets/<org>/<name>[/path]"),
+    ({"corpus": "hf://meta-llama/Llama-3.1-8B"}, "hf://datasets/ORG/NAME[/PATH]"),
+    ({"corpus": "hf://wikitext/wikitext-103"}, "a Hugging Face corpus is a dataset repo, hf://datasets/"),
+    ({"tokenizer": "ftp://host/tokenizer.json"}, "tokenizer 'ftp://host/tokenizer.json': data prep cannot read"),
+    ({"tokenizer": "tokenizers/llama"}, "tokenizer 'tokenizers/llama' must be an absolute path or a URI"),
+    ({"tokenizer": "/mnt/shared/tok", "init_from": "promoted"}, "tokenizer must be empty with init_from"),
+    ({"text_field": ""}, "text_field must name the JSON Lines key or Parquet column"),
+    ({"text_field": " text"}, "no surrounding spaces"),
+    ({"corpus_secret": ""}, "corpus_secret must name a Secret"),
+    ({"corpus_secret": "creds.s3"}, "corpus_secret must name a Secret (a DNS-1123 label"),
+    ({"corpus_secret": "train-shared"}, "corpus_secret and pvc_name must differ"),
+    ({"base_model": "https://huggingface.co/meta-llama/Llama-3.2-1B"}, "downloads hf:// or s3:// URIs"),
+    ({"base_model": "hf://datasets/HuggingFaceFW/fineweb"}, "must name a model repo, hf://ORG/NAME"),
+    ({"base_model": "s3://"}, "must look like s3://BUCKET/PREFIX"),
+    ({"base_model": "models/llama"}, "must be an absolute directory or an hf:// or s3:// URI"),
+    ({"base_model": "/models/llama"}, "must be under /mnt/shared (the volume the training pods mount)"),
+    ({"base_model": "hf://meta-llama/Llama-3.2-1B", "init_from": "promoted"}, "cannot both be set"),
+    ({"trainer_overrides": ["--model.from_hf=/x"]}, "sets a key the pipeline controls"),
     ({"eval_memory": "32 GB"}, "eval_memory must be a Kubernetes quantity"),
     ({"eval_cpu": ""}, "eval_cpu must be a Kubernetes quantity"),
     ({"eval_gpus": -1}, "eval_gpus must be 0..16"),
@@ -81,6 +97,18 @@ def test_valid_image_references_pass(image):
 
 
 @pytest.mark.parametrize("corpus", ["", "/mnt/shared/corpus", "file:///mnt/shared/corpus.txt", "relative/dir",
-                                    "s3://bucket/corpus/", "gs://bucket/c/*.jsonl.gz", "hf://datasets/org/name/data"])
+                                    "s3://team-data/corpus/", "gs://team-data/corpus", "gs://bucket/c/*.jsonl.gz",
+                                    "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT"])
 def test_corpus_that_data_prep_reads_passes(corpus):
     assert not [e for e in PipelineParams(image=IMAGE, corpus=corpus).errors() if "corpus" in e]
+
+
+@pytest.mark.parametrize("kw", [
+    {"base_model": "hf://meta-llama/Llama-3.2-1B"},
+    {"base_model": "s3://models/llama-3.1-8b/", "tokenizer": "s3://models/llama-3.1-8b/tokenizer.json"},
+    {"base_model": "/mnt/shared/models/llama-3.2-1b", "backend": "trainjob"},
+    {"base_model": "/home/me/llama", "backend": "local", "workdir": "/tmp/w"},  # local: any directory it sees
+    {"tokenizer": "hf://meta-llama/Llama-3.2-1B", "text_field": "content", "corpus_secret": "hf-and-s3"},
+])
+def test_bring_your_own_data_and_model_pass(kw):
+    assert PipelineParams(image=IMAGE, **kw).errors() == []

@@ -133,6 +133,9 @@ class ExitingBackend:
     def __init__(self, code):
         self.code, self.runs = code, 0
 
+    def base_model_path(self, p):
+        return p.base_model
+
     def run(self, p, layout, args, out):
         from components.lib.local_launcher import PermanentFailure, RestartBudgetExceeded
 
@@ -185,3 +188,17 @@ def test_the_train_component_ends_a_doomed_retry_with_one_line_and_the_code(tmp_
     assert done.value.code == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not relaunching" in err[0] and "3 (DATA_ERROR)" in err[0]
+
+
+def test_pytorchjob_passes_a_base_model_uri_to_the_trainer_with_the_credentials():
+    p = PipelineParams(image="registry.example.com/rt:1", base_model="hf://meta-llama/Llama-3.2-1B",
+                       corpus_secret="team-creds")
+    layout = RunLayout(p.workdir, "run-1")
+    backend = PyTorchJobBackend()
+    spec = backend.spec(p, layout, trainer_args(p, layout, "/mnt/shared/d", base_model=backend.base_model_path(p)))
+    assert "--model.from_hf=hf://meta-llama/Llama-3.2-1B" in spec.args  # the trainer's local rank 0 downloads it
+    assert spec.credentials_secret == "team-creds" and spec.model_initializer is None
+    on_volume = PipelineParams(image="registry.example.com/rt:1", base_model="/mnt/shared/models/llama")
+    spec = backend.spec(on_volume, layout, trainer_args(on_volume, layout, "/mnt/shared/d"))
+    assert "--model.from_hf=/mnt/shared/models/llama" in spec.args and spec.credentials_secret is None
+    assert not any(a.startswith("--model.from_hf") for a in trainer_args(PipelineParams(), layout, "/d"))

@@ -72,3 +72,50 @@ def test_compiled_pipeline_runs_trainjob_through_its_backend_parameter(tmp_path)
         assert tasks[step]["inputs"]["parameters"]["backend"]["componentInputParameter"] in (
             "backend", "pipelinechannel--backend"), step
     PipelineParams.from_mapping({"backend": "trainjob", "image": IMAGE}).validate()  # a run with backend=trainjob passes step 1
+
+
+def test_a_base_model_uri_is_downloaded_by_the_initializer_into_the_runs_workspace(tmp_path, monkeypatch):
+    import io
+
+    p = PipelineParams(backend="trainjob", image=IMAGE, base_model="hf://meta-llama/Llama-3.2-1B",
+                       corpus_secret="team-creds")
+    layout = RunLayout(p.workdir, "run-7")
+    backend = TrainJobBackend()
+    args = trainer_args(p, layout, "/mnt/shared/x/data", base_model=backend.base_model_path(p))
+    assert "--model.from_hf=/workspace/model" in args  # where the initializer put it, not the URI
+    spec = backend.spec(p, layout, args)
+    assert spec.model_initializer.storage_uri == "hf://meta-llama/Llama-3.2-1B"
+    assert spec.model_initializer.workspace_subpath == "resilient-train/run-7/workspace"  # = layout.workspace_dir
+    assert spec.credentials_secret == "team-creds"
+    manifest = trainjob.to_manifest(trainjob.build_trainjob(spec))
+    assert trainjob.webhook_errors(manifest) == [] and manifest["spec"]["runtimeRef"]["name"] == \
+        trainjob.MODEL_RUNTIME_NAME
+
+    # run() makes the run's workspace (as the image's user) before the job starts
+    submitted = []
+
+    class Launcher:
+        def run(self, spec):
+            submitted.append(spec)
+            from types import SimpleNamespace
+            return SimpleNamespace(restarts=0, name=spec.name, namespace=spec.namespace, duration_s=1.0)
+
+    from components.lib import train_step
+
+    monkeypatch.setattr(train_step, "SHARED_MOUNT", str(tmp_path))  # the volume, here
+    local = PipelineParams(backend="trainjob", image=IMAGE, base_model="s3://models/llama", workdir=str(tmp_path / "w"))
+    out = io.StringIO()
+    TrainJobBackend(launcher_factory=Launcher).run(local, RunLayout(local.workdir, "run-8"), args, out)
+    assert (tmp_path / "w" / "run-8" / "workspace" / "model").is_dir()
+    assert submitted[0].model_initializer.workspace_subpath == "w/run-8/workspace"
+    assert "the model initializer downloads s3://models/llama" in out.getvalue()
+
+
+def test_a_base_model_on_the_volume_is_passed_as_it_is():
+    p = PipelineParams(backend="trainjob", image=IMAGE, base_model="/mnt/shared/models/llama-3.2-1b")
+    layout = RunLayout(p.workdir, "run-9")
+    backend = TrainJobBackend()
+    spec = backend.spec(p, layout, trainer_args(p, layout, "/d", base_model=backend.base_model_path(p)))
+    assert spec.model_initializer is None and spec.credentials_secret is None
+    assert "--model.from_hf=/mnt/shared/models/llama-3.2-1b" in spec.args
+    assert trainjob.to_manifest(trainjob.build_trainjob(spec))["spec"]["runtimeRef"]["name"] == trainjob.RUNTIME_NAME
