@@ -158,21 +158,23 @@ def test_detector_times_sections_and_reports_on_the_report_steps(tmp_path):
     try:
         assert isinstance(layers.straggler, stragglers.Straggler)
         layers.on_loop_start(0)
-        for step in range(1, 9):
+        for step in range(1, 21):
+            if step == 13:
+                layers.on_loop_start(12)  # an in-process restart: a new start-up interval (step 16: discarded)
             for name, seconds in (("data", 0.001), ("forward_backward", 0.004), ("optimizer", 0.002)):
                 with layers.section(name):
                     time.sleep(seconds)
             layers.straggler.after_step(step, commit=lambda: pytest.fail("nothing to evict"))
     finally:
         layers.straggler.close()
-    assert [r["step"] for r in sink.records] == [4, 8]
+    assert [r["step"] for r in sink.records] == [8, 12, 20], "steps 4 and 16 close start-up intervals"
     (rank0,) = sink.records[-1]["ranks"]
     assert rank0["relative"] == 1.0 and 0 < rank0["individual"] <= 1.0
     assert set(rank0["sections"]) == {"data", "forward_backward", "optimizer"}
     assert rank0["sections"]["forward_backward"]["median_ms"] >= 4.0
     assert rank0["step_time_s"] >= 0.007 and sink.records[-1]["basis"] == "host"
     ledger = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "straggler_report"]
-    assert [r["step"] for r in ledger] == [4, 8] and ledger[0]["slowest"][0]["host"] == stragglers.host_label()
+    assert [r["step"] for r in ledger] == [8, 12, 20] and ledger[0]["slowest"][0]["host"] == stragglers.host_label()
 
 
 def test_off_times_nothing(tmp_path):

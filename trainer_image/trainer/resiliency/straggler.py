@@ -29,6 +29,11 @@ scores, the gather over gloo and ``rank_to_node`` work as they are. NVRx's time-
 (``generate_report_if_interval_elapsed``) is not used: its interval estimate needs ``torch.cuda.current_device``,
 and a step count lets every rank report on the same step without agreeing on a clock.
 
+Start-up: the first report step after each (re)start of the loop only discards the samples so far, on every
+rank (no report, no collective): that interval holds start-up work that lands unevenly on the ranks (lazy
+FSDP init, the optimizer's state allocation, ``torch.compile``, the snapshot slots reserved in the background,
+the first checkpoint writer). Measured on 2 CPU ranks, 5-step interval: the first one scored a healthy rank 0.56.
+
 Policy: rank 0 decides, one broadcast tells every rank, so all act on the same step. A rank below
 ``straggler_threshold`` is named in a warning, ``metrics.jsonl`` (``{"event": "straggler", ...}`` with every
 rank's scores, section medians and step time; TensorBoard ``straggler/*``) and the recovery ledger
@@ -240,6 +245,7 @@ class Straggler(NullStraggler):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.metrics, self.ledger = metrics, ledger
         self.streaks = Streaks(rcfg.straggler_threshold, rcfg.straggler_patience)
+        self.warming_up = True  # until the first report step after a (re)start of the loop
         self.median_key = Statistic.MED
         self.cuda = device.type == "cuda"
         self.detector, why = _initialize_detector(self.cuda)
@@ -252,14 +258,19 @@ class Straggler(NullStraggler):
         return self.detector.detection_section(name, profile_cuda=self.profile[name])
 
     def on_loop_start(self) -> None:
-        """A (re)start of the loop: samples of an interrupted attempt never enter a report."""
-        for section in self.detector.custom_sections.values():
-            section.cpu_elapsed_times.clear()
+        """A (re)start of the loop: samples of an interrupted attempt never enter a report, nor do the start-up
+        steps (see the module docstring)."""
+        self.warming_up = True
+        self._discard_samples()
 
     def after_step(self, step: int, commit: Callable[[], None]) -> None:
         """Every ``straggler_report_every`` steps, on every rank: the report, the verdict, and its consequence.
         ``commit`` writes a synchronous checkpoint of this step (all ranks)."""
         if step % self.every:
+            return
+        if self.warming_up:  # the same step on every rank: all (re)start the loop together
+            self.warming_up = False
+            self._discard_samples()
             return
         report = self._report()
         evict = self._decide(step, report) if self.rank == 0 else None
@@ -276,6 +287,10 @@ class Straggler(NullStraggler):
             self.detector.shutdown()
 
     # --- internals ---------------------------------------------------------------------------------------
+    def _discard_samples(self) -> None:
+        for section in self.detector.custom_sections.values():
+            section.cpu_elapsed_times.clear()
+
     def _report(self) -> Any:
         """NVRx's report (a collective: every rank calls it on the same step); None on ranks other than 0."""
         if self.cuda:
