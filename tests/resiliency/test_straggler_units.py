@@ -9,7 +9,7 @@ import pytest
 import torch
 from nvidia_resiliency_ext.straggler import Report, Statistic
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, ResiliencyConfig, load_config
 from trainer.faults import FaultInjector, FaultSpec, parse_faults
 from trainer.ledger import Ledger, read
 from trainer.resiliency import Layers
@@ -47,8 +47,9 @@ def test_bad_straggler_config_is_one_clear_error(overrides, message):
 
 
 def test_straggler_defaults():
-    r = load_config("tiny", ["--data.path=/d"]).resiliency
+    r = ResiliencyConfig()
     assert (r.straggler, r.straggler_report_every, r.straggler_threshold, r.straggler_patience) == ("report", 100, 0.75, 3)
+    assert load_config("tiny", ["--data.path=/d"]).resiliency.straggler_report_every == 10  # CPU steps: the demo
 
 
 def test_slow_fault_stretches_each_timed_part_from_its_step_once_per_run_dir(tmp_path):

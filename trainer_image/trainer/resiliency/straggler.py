@@ -54,7 +54,9 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
 
@@ -336,6 +338,10 @@ class Straggler(NullStraggler):
             host = self.detector.reporter.rank_to_node.get(rank, "?")
             self.ledger.write("straggler_evicted", step=step, rank=rank, host=host, relative=_round(relative),
                               reports=reports, threshold=self.streaks.threshold, checkpoint=step_saved)
+        # FT: the first rank to record 201 makes entrypoint.sh stop ft_launcher; the launcher's SIGTERM must not turn
+        # another rank's exit into TERMINATED before it has printed and recorded its own (record_exit does the same)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.rank == rank:
             raise TrainerExit(ExitCode.UNHEALTHY_NODE, (
                 f"straggler: rank {rank} on host {host_label()} ran at {relative:.2f} of the fastest rank's speed in "
