@@ -204,6 +204,8 @@ def _initialize_detector(cuda: bool) -> tuple[Any, str | None]:
     from nvidia_resiliency_ext import straggler as nvrx
     from nvidia_resiliency_ext.straggler import straggler as nvrx_impl
 
+    if nvrx.Detector.initialized:  # class-level state: one detector per process; a previous one is replaced
+        nvrx.Detector.shutdown()
     options = dict(scores_to_compute="all", gather_on_rank0=True, node_name=host_label())
     why = None if cuda else "no CUDA device"
     if why is None:
