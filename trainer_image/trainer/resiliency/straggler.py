@@ -320,10 +320,10 @@ class Straggler(NullStraggler):
                               slowest=[s.brief() for s in slowest[:SLOWEST_IN_LEDGER]],
                               stragglers=[s.brief() for s in below])
         for s in below:
-            then = f"; evicted at {patience}" if self.mode == "evict" else ""
+            streak = f"{s.streak} of {patience} reports in a row before eviction" if self.mode == "evict" else \
+                f"{s.streak} report(s) in a row"
             log.warning("straggler at step %d: rank %d on %s runs at %.2f of the fastest rank's speed "
-                        "(resiliency.straggler_threshold %.2f; %d report(s) in a row%s)",
-                        step, s.rank, s.host, s.relative, threshold, s.streak, then)
+                        "(resiliency.straggler_threshold %.2f; %s)", step, s.rank, s.host, s.relative, threshold, streak)
         return self.streaks.due(below) if self.mode == "evict" else None
 
     def _evict(self, step: int, rank: int, relative: float, reports: int, commit: Callable[[], None]) -> None:
