@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,8 @@ def main() -> int:
     parser.add_argument("--compile", default="false")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/straggler")))
     parser.add_argument("--data", type=Path, default=Path("/tmp/straggler-bench-data"))
+    parser.add_argument("--deadline-s", type=float, default=480.0,
+                        help="stop the runs after this long; the variants done by then are still reported")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     modes = args.order.split(",")
@@ -64,9 +67,14 @@ def main() -> int:
     base = ["--config", args.config, f"--data.path={args.data}", f"--train.run_dir={runs}",
             f"--checkpoint.dir={runs}/ckpt", "--train.log_every=10", f"--train.compile={args.compile}", *extra]
     variants = [{"label": label, "set": [f"--resiliency.straggler={mode}"]} for label, mode in zip(labels[1:], modes[1:])]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "bench/trainer_run.py", "--stop-at", str(args.stop_at), "--skip", str(args.skip),
-           "--label", labels[0], "--variants", json.dumps(variants), "--", *base, f"--resiliency.straggler={modes[0]}"]
-    done = subprocess.run(cmd, check=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "bench/trainer_run.py",
+           "--stop-at", str(args.stop_at), "--skip", str(args.skip), "--label", labels[0], "--variants", json.dumps(variants), "--", *base, f"--resiliency.straggler={modes[0]}"]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=args.deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
     figures = []
     with open(args.out / "straggler_overhead.jsonl", "a") as out:
         for i, (label, mode) in enumerate(zip(labels, modes)):
@@ -75,14 +83,15 @@ def main() -> int:
                 continue
             fig = {"figure": "straggler_variant", "label": label, "straggler": mode, "compile": args.compile,
                    **window(metrics, args.skip, args.stop_at)}
-            figures.append(fig)
+            if fig["steps"] == args.stop_at - args.skip:  # a run the deadline cut short is shown, not counted
+                figures.append(fig)
             print(json.dumps(fig), flush=True)
             out.write(json.dumps(fig) + "\n")
         off = [f["mean_step_s"] for f in figures if f["straggler"] == "off" and f["mean_step_s"]]
         summary = {"figure": "straggler_overhead", "config": args.config, "compile": args.compile,
                    "report_every": next((int(a.split("=", 1)[1]) for a in extra
                                          if a.startswith("--resiliency.straggler_report_every=")), 100),
-                   "off_mean_step_s": statistics.mean(off) if off else None, "rc": done.returncode}
+                   "off_mean_step_s": statistics.mean(off) if off else None, "rc": rc}
         for mode in sorted({f["straggler"] for f in figures} - {"off"}):
             on = [f["mean_step_s"] for f in figures if f["straggler"] == mode and f["mean_step_s"]]
             if off and on:
@@ -93,7 +102,7 @@ def main() -> int:
                                  "spread_off_ms": round((max(off) - min(off)) * 1e3, 3)}
         print(json.dumps(summary), flush=True)
         out.write(json.dumps(summary) + "\n")
-    return done.returncode
+    return rc
 
 
 if __name__ == "__main__":
