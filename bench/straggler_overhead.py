@@ -14,6 +14,9 @@ per step and as a fraction of the measured step and of the compiled ``1b`` step 
 not depend on compilation, so the fraction of the compiled step is the conservative figure. Output: one JSON line
 per variant and a summary line, on stdout and in ``<out>/straggler_overhead.jsonl``; the runs' metrics (with the
 straggler reports: ``basis`` says whether CUPTI profiled kernels) under ``<out>/runs``.
+
+``--micro`` (any machine, no training): the host cost of the loop's three timed sections per step, off and on, and of
+one report in a single process (``straggler_micro`` lines).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 COMPILED_1B_STEP_S = 0.307  # BENCHMARKS.md: `1b`, torch.compile per block, 1 H200
@@ -44,7 +48,49 @@ def window(metrics: Path, skip: int, stop: int) -> dict:
             "basis": reports[-1]["basis"] if reports else None}
 
 
+def micro(repeats: int = 5, n: int = 20000) -> None:
+    """Host cost per step of ``Layers.section`` x 3 (off: the null objects; report: NVRx ``detection_section``), and of
+    one report over 100 steps of samples (world size 1: NVRx's scoring without a collective)."""
+    import tempfile
+
+    import torch
+
+    from trainer.config import load_config
+    from trainer.resiliency import Layers
+
+    for mode in ("off", "report"):
+        with tempfile.TemporaryDirectory() as run_dir:
+            cfg = load_config("tiny", ["--data.path=unused", f"--resiliency.straggler={mode}", f"--train.run_dir={run_dir}",
+                                       "--resiliency.straggler_report_every=100"])
+            layers = Layers.create(cfg, 0, 1, 0, torch.device("cpu"))
+            layers.on_loop_start(0)
+            per_step = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(n):
+                    for name in ("data", "forward_backward", "optimizer"):
+                        with layers.section(name):
+                            pass
+                per_step.append((time.perf_counter() - start) / n * 1e6)
+            report_ms = []
+            for step in range(1, 401):
+                for name in ("data", "forward_backward", "optimizer"):
+                    with layers.section(name):
+                        pass
+                start = time.perf_counter()
+                layers.straggler.after_step(step, commit=lambda: None)
+                if step % 100 == 0 and step > 100:  # step 100 closes the start-up interval
+                    report_ms.append((time.perf_counter() - start) * 1e3)
+            layers.straggler.close()
+        print(json.dumps({"figure": "straggler_micro", "straggler": mode, "sections_us_per_step_min": round(min(per_step), 2),
+                          "sections_us_per_step_median": round(statistics.median(per_step), 2),
+                          "report_ms": [round(x, 3) for x in report_ms]}), flush=True)
+
+
 def main() -> int:
+    if "--micro" in sys.argv:
+        micro()
+        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--order", default="off,report,off,report")
     parser.add_argument("--config", default="1b")
