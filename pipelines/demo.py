@@ -165,13 +165,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", default=str(ROOT), help=f"where runs go (default {ROOT})")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--faults", default=FAULTS, help="rank:step:kind,... ('' for none)")
+    parser.add_argument("--trainer-override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                        help="a trainer config override, repeatable (e.g. --trainer-override=--resiliency.straggler=evict)")
     parser.add_argument("--verbose", action="store_true",
                         help="show everything (kfp.local's executor JSON, the full trainer log), not only progress")
     args = parser.parse_args(argv)
     # The local train step echoes progress and recovery events; the full trainer log is in <run>/launcher/.
     os.environ.setdefault(ECHO_ENV, ECHO_ALL if args.verbose else ECHO_PROGRESS)
     root = Path(args.root)
-    params = demo_params(root / "work", steps=args.steps, faults=args.faults)
+    params = demo_params(root / "work", steps=args.steps, faults=args.faults, trainer_overrides=args.trainer_override)
     log_path = root / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
     print(f"[demo] tiny model, {args.steps} steps, 2 CPU processes; faults: {args.faults or 'none'}\n"
           f"[demo] progress and recovery events below; the full log: {log_path}", flush=True)

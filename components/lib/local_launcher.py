@@ -72,6 +72,7 @@ ECHO_ENV = "RESILIENT_TRAIN_LOG_ECHO"
 #: Trainer log lines that still reach stdout with ``echo="progress"``: what a person follows a recovery by.
 RECOVERY_EVENTS = re.compile(
     r"injecting fault|restored step|fn_ex:|Worker group|entrypoint:|preempt|exit \d+ \(|config error:|CRITICAL|Traceback"
+    r"|straggler at step"
 )
 
 

@@ -20,7 +20,7 @@ from components.lib.storage import redact_uri
 BACKENDS = ("pytorchjob", "trainjob", "local")
 CLUSTER_BACKENDS = ("pytorchjob", "trainjob")
 FLAVOURS = ("tiny", "1b", "8b")
-FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
+FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow")
 INIT_FROM_PROMOTED = "promoted"
 #: Where the pipeline mounts the shared PVC in step pods, and the PyTorchJob in its pods.
 SHARED_MOUNT = "/mnt/shared"
@@ -50,7 +50,7 @@ MAX_DEADLINE_HOURS = 24 * 30
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _OVERRIDE = re.compile(r"^--([a-z_]+)\.([a-z_0-9]+)=(.*)$", re.S)
-_FAULT = re.compile(r"^(\d+):(\d+):([a-z_]+)$")
+_FAULT = re.compile(r"^(\d+):(\d+):([a-z_]+)(?::(\d+(?:\.\d+)?|\.\d+))?$")  # slow: rank:step:slow:<factor>
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # hf://ORG/NAME (a model repo, as huggingface_hub's repo ids); hf://datasets/... and hf://spaces/... are not models.
@@ -75,14 +75,16 @@ class ParamError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    """One scheduled fault: ``rank:step:kind`` (the trainer's ``resiliency.faults`` item)."""
+    """One scheduled fault: ``rank:step:kind`` or ``rank:step:slow:<factor>`` (the trainer's ``resiliency.faults``
+    item)."""
 
     rank: int
     step: int
     kind: str
+    factor: str = ""
 
     def __str__(self) -> str:
-        return f"{self.rank}:{self.step}:{self.kind}"
+        return f"{self.rank}:{self.step}:{self.kind}" + (f":{self.factor}" if self.factor else "")
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -92,12 +94,13 @@ def parse_faults(spec: str) -> list[Fault]:
         if not item:
             continue
         m = _FAULT.match(item)
-        if not m or m.group(3) not in FAULT_KINDS:
+        slow = bool(m) and m.group(3) == "slow"
+        if not m or m.group(3) not in FAULT_KINDS or slow != bool(m.group(4)) or (slow and not 0 < float(m.group(4)) <= 10):
             raise ValueError(
                 f"fault {item!r} must look like rank:step:kind with kind one of {list(FAULT_KINDS)}, "
-                "e.g. '0:20:exception,1:40:sigkill'"
+                "e.g. '0:20:exception,1:40:sigkill' (slow takes a factor in (0, 10]: '1:20:slow:0.5')"
             )
-        faults.append(Fault(int(m.group(1)), int(m.group(2)), m.group(3)))
+        faults.append(Fault(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4) or ""))
     return faults
 
 

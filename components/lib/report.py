@@ -199,6 +199,83 @@ def timeline_chart(spans: Sequence[Mapping[str, Any]], t0: float | None, t_end: 
     return _svg("Recoveries by layer over time", parts)
 
 
+STRAGGLER_COLOUR, RANK_COLOURS = "#d62728", ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+MAX_RANK_LINES = 8
+
+
+def straggler_series(metrics: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """From the trainer's ``straggler`` records (``trainer/resiliency/straggler.py``): per rank its step time at each
+    report, the reports that named it (below the threshold) and its host. A report redone after a restart keeps its
+    latest record."""
+    by_step: dict[float, Mapping[str, Any]] = {}
+    for r in metrics:
+        if r.get("event") == "straggler" and (step := _num(r.get("step"))) is not None:
+            by_step[step] = r
+    times: dict[int, list[tuple[float, float]]] = {}
+    flagged: dict[int, list[tuple[float, float]]] = {}
+    hosts: dict[int, str] = {}
+    for step, r in sorted(by_step.items()):
+        named = {x for x in r.get("stragglers", []) if isinstance(x, int)}
+        for rank_rec in r.get("ranks", []):
+            rank, t = rank_rec.get("rank"), _num(rank_rec.get("step_time_s"))
+            if not isinstance(rank, int) or t is None:
+                continue
+            times.setdefault(rank, []).append((step, t))
+            hosts[rank] = str(rank_rec.get("host", "?"))
+            if rank in named:
+                flagged.setdefault(rank, []).append((step, t))
+    last = by_step[max(by_step)] if by_step else {}
+    return {"times": times, "flagged": flagged, "hosts": hosts, "last": last}
+
+
+def straggler_chart(series: Mapping[str, Any], evictions: Sequence[Mapping[str, Any]] = ()) -> str:
+    """SVG: each rank's step time (its timed sections) at every straggler report; points where a rank was named a
+    straggler in red, an eviction as a red dashed line. Beyond ``MAX_RANK_LINES`` ranks, the named and slowest ranks
+    get lines and the others one grey median line."""
+    times, flagged, hosts = series["times"], series["flagged"], series["hosts"]
+    if not times:
+        return '<p class="empty">No straggler reports were recorded.</p>'
+    worst = sorted(times, key=lambda k: (k not in flagged, -max(t for _, t in times[k])))
+    shown = sorted(worst[:MAX_RANK_LINES])
+    others = [k for k in times if k not in shown]
+    xs = [s for pts in times.values() for s, _ in pts] + [s for e in evictions if (s := _num(e.get("step"))) is not None]
+    ys = [t for pts in times.values() for _, t in pts]
+    pad = (max(ys) - min(ys)) * 0.05 or max(ys) * 0.05 or 0.01
+    parts, (sx, sy) = _axes(min(xs), max(xs), max(0.0, min(ys) - pad), max(ys) + pad, "step (straggler reports)",
+                            "step time (s)")
+    for e in evictions:
+        if (s := _num(e.get("step"))) is not None:
+            parts.append(f'<line x1="{sx(s):.1f}" x2="{sx(s):.1f}" y1="{PAD_T}" y2="{H - PAD_B}" '
+                         f'stroke="{STRAGGLER_COLOUR}" stroke-dasharray="4 3"><title>{html.escape(_evicted(e))}'
+                         '</title></line>')
+    if others:
+        steps = sorted({s for k in others for s, _ in times[k]})
+        median = [(s, sorted(t for k in others for x, t in times[k] if x == s)) for s in steps]
+        line = [(s, ts[len(ts) // 2]) for s, ts in median]
+        parts.append(_polyline(line, sx, sy, "#bbb", f"median of the other {len(others)} ranks"))
+    for i, rank in enumerate(shown):
+        colour = STRAGGLER_COLOUR if rank in flagged else RANK_COLOURS[i % len(RANK_COLOURS)]
+        parts.append(_polyline(times[rank], sx, sy, colour, f"rank {rank} ({hosts[rank]})"))
+        for s, t in flagged.get(rank, []):
+            parts.append(f'<circle cx="{sx(s):.1f}" cy="{sy(t):.1f}" r="4" fill="{STRAGGLER_COLOUR}"><title>'
+                         f'{html.escape(f"step {_fmt(s)}: rank {rank} on {hosts[rank]} named a straggler")}</title></circle>')
+        s, t = times[rank][-1]
+        parts.append(f'<text x="{min(sx(s) + 4, W - PAD_R - 40):.1f}" y="{sy(t) - 4:.1f}" font-size="11" '
+                     f'fill="{colour}">rank {rank}</text>')
+    return _svg("Step time per rank at each straggler report", parts)
+
+
+def _polyline(points: Sequence[tuple[float, float]], sx: Any, sy: Any, colour: str, title: str) -> str:
+    path = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for i, (x, y) in enumerate(points))
+    return (f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="1.8"><title>{html.escape(title)}</title>'
+            '</path>')
+
+
+def _evicted(e: Mapping[str, Any]) -> str:
+    return (f"step {e.get('step')}: rank {e.get('rank')} on {e.get('host')} evicted as a straggler after "
+            f"{e.get('reports')} report(s) below {e.get('threshold')}")
+
+
 def _svg(title: str, parts: list[str]) -> str:
     return (f'<svg xmlns="http://www.w3.org/2000/svg" role="img" viewBox="0 0 {W} {H}" width="{W}" height="{H}">'
             f'<title>{html.escape(title)}</title>' + "".join(parts) + "</svg>")
@@ -257,6 +334,23 @@ def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: S
     out.append(f'<p class="legend">{legend}</p>')
     if spans:
         out.append("<ul>" + "".join(f"<li>{html.escape(s['label'])}</li>" for s in spans) + "</ul>")
+    out.append("<h2>Stragglers</h2>")
+    series = straggler_series(metrics)
+    evictions = [r for r in ledger if r.get("event") == "straggler_evicted"]
+    out.append(straggler_chart(series, evictions))
+    if series["times"]:
+        last = series["last"]
+        out.append(f'<p class="legend">Each rank\'s time in the timed parts of its step (data, forward/backward, '
+                   f'optimizer), median per report; <span style="color:{STRAGGLER_COLOUR}">red</span>: a rank named a '
+                   f'straggler (relative score below {html.escape(str(last.get("threshold")))}, scored on '
+                   f'{html.escape(str(last.get("basis")))}), dashed: an eviction.</p>')
+        slowest = sorted((r for r in last.get("ranks", []) if _num(r.get("relative")) is not None),
+                         key=lambda r: r["relative"])[:3]
+        out.append(_table([(f"step {last.get('step')}: rank {r.get('rank')} ({r.get('host')})",
+                            f"relative {r['relative']:.2f}, individual {r.get('individual')}, step "
+                            f"{r.get('step_time_s')} s") for r in slowest]))
+    for e in evictions:
+        out.append(f'<p class="decision">{html.escape(_evicted(e))}</p>')
     out.append("<h2>Goodput</h2>")
     goodput = summary["goodput"]
     out.append(_table([

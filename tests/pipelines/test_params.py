@@ -20,6 +20,13 @@ def test_defaults_and_demo_are_valid(tmp_path):
     assert {f.kind for f in parse_faults(params["faults"])} == {"exception", "sigkill", "sigterm"}
 
 
+def test_the_straggler_drill_passes_through_the_pipeline(tmp_path):
+    params = demo_params(tmp_path / "work", faults="1:20:slow:0.5", trainer_overrides=["--resiliency.straggler=evict"])
+    assert [str(f) for f in parse_faults(params["faults"])] == ["1:20:slow:0.5"]  # the trainer's item, unchanged
+    assert "slow takes a factor in (0, 10]" in errors(faults="1:20:slow")
+    assert "slow takes a factor" in errors(faults="1:20:exception:0.5")
+
+
 def test_steps_must_exceed_checkpoint_interval():
     msg = errors(steps=40, checkpoint_interval=50)
     assert "steps (40) must be greater than checkpoint_interval (50)" in msg

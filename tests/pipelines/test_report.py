@@ -52,3 +52,25 @@ def test_non_finite_losses_are_skipped(tmp_path):
                {"event": "step", "step": 3, "loss": 4.0}]
     page = render_report(title="t", metrics=json.loads(json.dumps(metrics)), ledger=[])
     assert "nan" not in page.split("<svg", 1)[1].split("</svg>")[0].lower()
+
+
+def test_straggler_chart_marks_the_named_rank_and_the_eviction(tmp_path):
+    def report(step, slow):
+        return {"event": "straggler", "step": step, "basis": "host", "threshold": 0.75, "stragglers": [1] if slow else [],
+                "ranks": [{"rank": 0, "host": "node-a", "relative": 1.0, "individual": 1.0, "step_time_s": 0.30},
+                          {"rank": 1, "host": "<node-b>", "relative": 0.6 if slow else 0.98, "individual": 0.6,
+                           "step_time_s": 0.45 if slow else 0.30}]}
+
+    metrics = [report(10, False), report(20, True), report(30, True)]
+    ledger = [{"event": "straggler_evicted", "step": 30, "rank": 1, "host": "<node-b>", "relative": 0.6, "reports": 2,
+               "threshold": 0.75, "checkpoint": 30}]
+    page = render_report(title="t", metrics=metrics, ledger=ledger)
+    chart = page.split("Step time per rank at each straggler report", 1)[1].split("</svg>", 1)[0]
+    assert chart.count('<circle') == 2 and chart.count('fill="#d62728"><title>step') == 2  # rank 1's two reports
+    assert chart.count('stroke="#d62728" stroke-width') == 1  # rank 1's line in red, rank 0's not
+    assert "rank 1 on &lt;node-b&gt; evicted as a straggler after 2 report(s) below 0.75" in page
+    assert "<node-b>" not in page
+
+
+def test_no_straggler_reports_says_so():
+    assert "No straggler reports were recorded." in render_report(title="t", metrics=[], ledger=[])

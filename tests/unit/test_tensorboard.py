@@ -124,3 +124,20 @@ def test_restarts_leave_one_point_per_step(tmp_path):
     assert dict(loss)[12] == round(9.0 - 1.2, 6) and dict(loss)[20] == round(8.0 - 2.0, 6)  # the last attempt's
     assert scalars(acc, "recovery/fault_exception") == [(15, 1.0)]
     assert scalars(acc, "recovery/fault_sigkill") == [(21, 1.0)]
+
+
+def test_straggler_reports_draw_each_ranks_scores_and_one_console_line(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, enabled=True, echo=True)
+    ranks = [{"rank": 0, "host": "a", "relative": 1.0, "individual": 0.99, "step_time_s": 0.3},
+             {"rank": 1, "host": "b", "relative": 0.6, "individual": 0.58, "step_time_s": 0.45}]
+    logger.log({"event": "straggler", "step": 20, "basis": "host", "threshold": 0.75, "stragglers": [1], "ranks": ranks})
+    ledger(tmp_path, {"event": "straggler_evicted", "step": 30, "rank": 1, "host": "b", "reports": 3, "threshold": 0.75})
+    logger.log({"event": "summary", "steps": 30, "final_loss": 4.0, "wall_time_s": 30.0})
+    logger.close()
+    acc = events(tmp_path)
+    assert scalars(acc, "straggler/relative/rank1") == [(20, 0.6)]
+    assert scalars(acc, "straggler/individual/rank0") == [(20, 0.99)]
+    assert scalars(acc, "straggler/step_time_s/rank1") == [(20, 0.45)]
+    out = capsys.readouterr().out
+    assert "straggler report step 20 (host): slowest relative rank 1 (b) 0.60, rank 0 (a) 1.00; below 0.75: [1]" in out
+    assert '"ranks"' not in out  # not the whole record

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 from trainer.config_checks import ConfigError, choice as _choice, positive as _positive
 
-KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint")
-"""Fault kinds of ``resiliency.faults`` (injected by ``trainer.faults``)."""
+KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow")
+"""Fault kinds of ``resiliency.faults`` (injected by ``trainer.faults``); ``slow`` takes a factor (``slow:0.5``)."""
+MAX_SLOW_FACTOR = 10.0
+STRAGGLER_MODES = ("off", "report", "evict")
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class FaultSpec:
     rank: int
     step: int
     kind: str
+    factor: float = 0.0
+    """``slow`` only: the rank sleeps this fraction of each timed part of its steps (0.5: 50 % slower)."""
 
     @property
     def marker_name(self) -> str:
@@ -24,11 +28,20 @@ class FaultSpec:
 
 
 def parse_faults(items: list[str] | tuple[str, ...]) -> list[FaultSpec]:
-    """Parse ``rank:step:kind`` items; a ConfigError says what to change."""
+    """Parse ``rank:step:kind`` items (``rank:step:slow:<factor>`` for ``slow``); a ConfigError says what to
+    change."""
     specs: list[FaultSpec] = []
     for item in items:
         parts = item.strip().split(":")
-        hint = f"resiliency.faults item {item!r} must look like rank:step:kind, e.g. 1:5:exception"
+        hint = (f"resiliency.faults item {item!r} must look like rank:step:kind, e.g. 1:5:exception "
+                "(or rank:step:slow:<factor>, e.g. 1:5:slow:0.5)")
+        if len(parts) == 4 and parts[2].strip() == "slow":
+            factor = _slow_factor(parts[3].strip(), hint)
+            parts = parts[:3]
+        elif len(parts) == 3 and parts[2].strip() == "slow":
+            raise ConfigError(f"{hint}; slow needs a factor, the fraction of its step the rank sleeps")
+        else:
+            factor = 0.0
         if len(parts) != 3:
             raise ConfigError(hint)
         rank_s, step_s, kind = (p.strip() for p in parts)
@@ -42,11 +55,21 @@ def parse_faults(items: list[str] | tuple[str, ...]) -> list[FaultSpec]:
             raise ConfigError(f"{hint}; step must be >= 1 (steps count from 1), got {step}")
         if kind not in KINDS:
             raise ConfigError(f"{hint}; unknown kind {kind!r}, kinds are {list(KINDS)}")
-        spec = FaultSpec(rank, step, kind)
+        spec = FaultSpec(rank, step, kind, factor)
         if any((s.rank, s.step) == (rank, step) for s in specs):
             raise ConfigError(f"resiliency.faults has two faults for rank {rank} at step {step}; keep one")
         specs.append(spec)
     return specs
+
+
+def _slow_factor(text: str, hint: str) -> float:
+    try:
+        factor = float(text)
+    except ValueError:
+        raise ConfigError(f"{hint}; the slow factor must be a number, got {text!r}") from None
+    if not 0 < factor <= MAX_SLOW_FACTOR:
+        raise ConfigError(f"{hint}; the slow factor must be in (0, {MAX_SLOW_FACTOR:g}] (0.5: 50 % slower), got {text}")
+    return factor
 
 
 
@@ -151,12 +174,29 @@ class ResiliencyConfig:
     preemption_grace_s: float = 25.0
     """On SIGTERM: seconds allowed for the final synchronous checkpoint before the process exits anyway.
     Keep it below the pod's ``terminationGracePeriodSeconds`` (Kubernetes default 30)."""
+    straggler: str = "report"
+    """Straggler detection (NVRx ``straggler.Detector`` times each rank's data, forward/backward and optimizer
+    sections): ``off``; ``report`` (scores every ``straggler_report_every`` steps into metrics.jsonl,
+    TensorBoard and the recovery ledger, a warning naming a rank below ``straggler_threshold``); ``evict`` (also:
+    a rank below the threshold in ``straggler_patience`` reports in a row ends the job UNHEALTHY_NODE (201) after
+    a checkpoint of that step, naming its host, so the cluster layer restarts the job elsewhere)."""
+    straggler_report_every: int = 100
+    """Steps between straggler reports (every rank reports on the same steps: a few small collectives). Each
+    report scores the median section times of the steps since the previous one, so fewer than ~10 is noisy."""
+    straggler_threshold: float = 0.75
+    """A rank whose relative score (the fastest rank's time / its own, in (0, 1]) is below this is a straggler;
+    0.75 names a rank 1.33x slower than the fastest. Between 0 and 1."""
+    straggler_patience: int = 3
+    """``evict``: reports in a row a rank must stay below ``straggler_threshold`` before the job is ended; one
+    good report starts the count again, so one slow interval (a false alarm) evicts nothing."""
     faults: list[str] = field(default_factory=list)
     """Fault injection, ``rank:step:kind`` items (kinds: exception, hang, hang_gil, sigkill, oom, sigterm,
-    corrupt_checkpoint). Off when empty; each fires once per run directory."""
+    corrupt_checkpoint, and ``slow:<factor>``: from that step the rank sleeps ``factor`` times the duration of
+    each timed part of its step, a straggler drill). Off when empty; each fires once per run directory."""
 
     def validate(self) -> None:
         _choice(self, "resiliency", "heartbeats", ("auto", "on", "off"))
+        _choice(self, "resiliency", "straggler", STRAGGLER_MODES)
         _positive(self, "resiliency", (
             "soft_timeout_s", "hard_timeout_s", "heartbeat_timeout_s", "termination_grace_s",
             "monitor_process_interval_s", "progress_watchdog_interval_s", "collective_timeout_s",
@@ -185,6 +225,15 @@ class ResiliencyConfig:
                 f"resiliency.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be greater than "
                 f"resiliency.monitor_process_interval_s ({self.monitor_process_interval_s:g})"
             )
+        if self.straggler_report_every < 1:
+            raise ConfigError(f"resiliency.straggler_report_every must be >= 1 (steps); got {self.straggler_report_every}")
+        if not 0 < self.straggler_threshold < 1:
+            raise ConfigError(
+                f"resiliency.straggler_threshold must be between 0 and 1 (a rank's speed relative to the fastest, "
+                f"e.g. 0.75); got {self.straggler_threshold}"
+            )
+        if self.straggler_patience < 1:
+            raise ConfigError(f"resiliency.straggler_patience must be >= 1 (reports in a row); got {self.straggler_patience}")
         parse_faults(self.faults)
 
     def check_collective_timeout(self, backend: str) -> None:

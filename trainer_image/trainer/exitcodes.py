@@ -51,7 +51,8 @@ class ExitCode(enum.IntEnum):
     RESTART_BUDGET_EXHAUSTED = 200
     """The in-job (ft_launcher) or in-process restart budget is spent; resubmit the job."""
     UNHEALTHY_NODE = 201
-    """A health check failed on this node: do not restart here, replace the node/pod."""
+    """A health check failed on this node, or ``resiliency.straggler=evict`` found a rank too slow (every rank exits
+    with it, after a checkpoint of that step): do not restart here, replace the node/pod."""
     PREEMPTED = 202
     """SIGTERM (preemption, eviction) was handled: a final checkpoint was committed; resume anywhere."""
     RANKS_LOST = 203

@@ -19,19 +19,26 @@ Kinds:
   (the parent under torchrun), else this process.
 - ``corrupt_checkpoint``: overwrite the middle of the largest file of the newest committed checkpoint
   with random bytes (the next load must detect it and fall back), then continue training.
+- ``slow:<factor>`` (``1:5:slow:0.5``): a straggler drill. From that step on, for the life of the process, the
+  rank sleeps ``factor`` times the duration of each timed part of its step (data, forward/backward, optimizer;
+  ``slowed``) inside it, so its step takes ``1 + factor`` times as long as a rank's doing the same work, the way a
+  throttled device would; numerics are unchanged. On CUDA the device is synchronized first, so the sleep is a
+  fraction of the device time too. A relaunch of the run directory (after an eviction) is not slowed again.
 
 Only the standard library is imported at module level; ``trainer.config`` parses the fault specs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from trainer.config import KINDS, ConfigError, FaultSpec, parse_faults  # noqa: F401 - re-exported
 from trainer.exitcodes import ENTRYPOINT_PID_ENV
@@ -61,6 +68,7 @@ class FaultInjector:
         self.marker_dir = Path(run_dir) / MARKER_DIR
         self.checkpoint_dir = Path(checkpoint_dir)
         self.on_fire = on_fire
+        self.slowdown = 0.0  # set by a ``slow`` fault: the fraction of each timed part of the step slept
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -72,7 +80,20 @@ class FaultInjector:
         self._write_marker(spec)
         log.warning("injecting fault %s at step %d (pid %d)", spec.kind, step, os.getpid())
         self.on_fire(spec)
-        FIRE[spec.kind](self)
+        FIRE[spec.kind](self, spec)
+
+    @contextlib.contextmanager
+    def slowed(self) -> Iterator[None]:
+        """Around a timed part of the step: once a ``slow`` fault fired, sleep ``factor`` times its duration."""
+        if not self.slowdown:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a drill: the device time of the part counts too
+        time.sleep(self.slowdown * (time.perf_counter() - start))
 
     def fired(self, spec: FaultSpec) -> bool:
         return (self.marker_dir / spec.marker_name).exists()
@@ -91,29 +112,29 @@ class FaultInjector:
             os.close(dir_fd)
 
     # --- the faults --------------------------------------------------------------------------------------
-    def _exception(self) -> None:
+    def _exception(self, spec: FaultSpec) -> None:
         raise InjectedFault("injected fault: exception")
 
-    def _hang(self) -> None:
+    def _hang(self, spec: FaultSpec) -> None:
         while True:
             time.sleep(0.1)
 
-    def _hang_gil(self) -> None:
+    def _hang_gil(self, spec: FaultSpec) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
         while True:
             libc.sleep(3600)
 
-    def _sigkill(self) -> None:
+    def _sigkill(self, spec: FaultSpec) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _oom(self) -> None:
+    def _oom(self, spec: FaultSpec) -> None:
         log.error("Out of memory: Killed process %d (python) (injected)", os.getpid())
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _sigterm(self) -> None:
+    def _sigterm(self, spec: FaultSpec) -> None:
         if os.environ.get(ENTRYPOINT_PID_ENV):  # the pod's PID 1, as a Kubernetes eviction does
             target = int(os.environ[ENTRYPOINT_PID_ENV])
         elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun / ft_launcher forward it to every worker
@@ -122,12 +143,17 @@ class FaultInjector:
             target = os.getpid()
         os.kill(target, signal.SIGTERM)
 
-    def _corrupt_checkpoint(self) -> None:
+    def _corrupt_checkpoint(self, spec: FaultSpec) -> None:
         target = corrupt_newest_checkpoint(self.checkpoint_dir)
         log.warning("corrupted checkpoint file %s", target)
 
+    def _slow(self, spec: FaultSpec) -> None:
+        self.slowdown = spec.factor
+        log.warning("rank %d is a straggler from now on: it sleeps %.0f %% of each timed part of its step",
+                    spec.rank, 100 * spec.factor)
 
-FIRE: dict[str, Callable[[FaultInjector], None]] = {
+
+FIRE: dict[str, Callable[[FaultInjector, FaultSpec], None]] = {
     "exception": FaultInjector._exception,
     "hang": FaultInjector._hang,
     "hang_gil": FaultInjector._hang_gil,
@@ -135,6 +161,7 @@ FIRE: dict[str, Callable[[FaultInjector], None]] = {
     "oom": FaultInjector._oom,
     "sigterm": FaultInjector._sigterm,
     "corrupt_checkpoint": FaultInjector._corrupt_checkpoint,
+    "slow": FaultInjector._slow,
 }
 assert set(FIRE) == set(KINDS)
 

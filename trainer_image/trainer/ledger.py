@@ -31,6 +31,13 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     from the fault (or, when its time is unknown, from the restart) to that step; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
     the fault's step is unknown).
+``{"event": "straggler_report", "step", "basis", "threshold", "slowest", "stragglers"}``
+    Rank 0, every ``resiliency.straggler_report_every`` steps (``trainer.resiliency.straggler``): ``slowest`` are
+    the (up to) three slowest ranks, ``stragglers`` the ranks below the threshold, each
+    ``{"rank", "host", "relative", "individual", "streak"}`` (``streak``: reports in a row below it).
+``{"event": "straggler_evicted", "step", "rank", "host", "relative", "reports", "threshold", "checkpoint"}``
+    Rank 0, when ``resiliency.straggler=evict`` ends the job (every rank exits UNHEALTHY_NODE) because ``rank`` stayed
+    below the threshold for ``reports`` reports; ``checkpoint`` is the step committed first (null if that failed).
 ``{"event": "preempted", "step"}``
     Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
     ``preemption`` unless an injected ``sigterm`` fault is pending).
@@ -51,6 +58,8 @@ from typing import Any
 LEDGER_FILE = "recovery.jsonl"
 METRICS_FILE = "metrics.jsonl"
 LAYERS = ("inprocess", "injob", "cluster")
+NOT_CRASHES = ("corrupt_checkpoint", "slow")
+"""Injected fault kinds that do not end the process: never the cause of a restart."""
 
 
 def read(path: str | Path) -> list[dict[str, Any]]:
@@ -160,7 +169,7 @@ class Ledger:
     def _last_unrecovered_fault(self) -> dict[str, Any] | None:
         last = None
         for r in read(self.path):
-            if r["event"] == "fault" and r.get("kind") != "corrupt_checkpoint":  # not a crash
+            if r["event"] == "fault" and r.get("kind") not in NOT_CRASHES:
                 last = r
             elif r["event"] == "preempted" and last is None:  # a real SIGTERM: the interrupted step is next
                 last = {**r, "kind": "preemption", "step": r["step"] + 1}

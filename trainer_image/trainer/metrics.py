@@ -83,6 +83,8 @@ class TensorBoardEvents:
             for name in STEP_SCALARS:
                 if record.get(name) is not None:
                     self._writer.add_scalar(f"train/{name}", record[name], step)
+        elif event == "straggler":
+            self._straggler(record, step)
         elif event == "resume":
             self._writer.add_text("recovery/events", f"resumed from the checkpoint of step {step}", step)
         elif event == "summary":
@@ -100,6 +102,15 @@ class TensorBoardEvents:
         if purge_step is not None:
             self._offset = 0
             self._poll_ledger(since_step=purge_step)
+
+    def _straggler(self, record: dict[str, Any], step: int) -> None:
+        """A straggler report (``trainer.resiliency.straggler``): each rank's scores and its step time."""
+        for r in record.get("ranks", []):
+            for name in ("relative", "individual", "step_time_s"):
+                if r.get(name) is not None:
+                    self._writer.add_scalar(f"straggler/{name}/rank{r['rank']}", r[name], step)
+        for rank in record.get("stragglers", []):
+            self._writer.add_text("recovery/events", f"straggler: rank {rank} below {record.get('threshold')}", step)
 
     def _poll_ledger(self, since_step: int = 0) -> None:
         try:
@@ -129,6 +140,9 @@ class TensorBoardEvents:
             self._writer.add_scalar(f"recovery/restart_{r['layer']}", 1, r["resumed_step"])
             self._writer.add_text("recovery/events", f"{r['layer']} restart after {fault.get('kind', 'a fault')}, "
                                   f"resumed at step {r['resumed_step']}", r["resumed_step"])
+        elif event == "straggler_evicted":
+            self._writer.add_text("recovery/events", f"straggler rank {r['rank']} on {r['host']} evicted at step "
+                                  f"{r['step']} ({r['reports']} reports below {r['threshold']})", r["step"])
         elif event == "recovered":
             self._writer.add_scalar("recovery/recovery_s", r["recovery_s"], r["step"])
             if r.get("steps_redone") is not None:
@@ -150,6 +164,15 @@ def _ledger_step(record: dict[str, Any]) -> int:
     """The step a ledger record is drawn at (`TensorBoardEvents._recovery`); KeyError when it has none."""
     key = {"restart": "resumed_step", "summary": "steps"}.get(record["event"], "step")
     return int(record[key])
+
+
+def straggler_line(record: dict[str, Any]) -> str:
+    """The console's line for a straggler report: the slowest ranks, not every rank's record."""
+    ranks = sorted((r for r in record.get("ranks", []) if r.get("relative") is not None), key=lambda r: r["relative"])
+    slowest = ", ".join(f"rank {r['rank']} ({r['host']}) {r['relative']:.2f}" for r in ranks[:3])
+    flagged = record.get("stragglers") or "none"
+    return (f"straggler report step {record.get('step')} ({record.get('basis')}): slowest relative {slowest or 'n/a'}; "
+            f"below {record.get('threshold')}: {flagged}")
 
 
 def tensorboard_events(run_dir: str | Path, enabled: bool) -> TensorBoardEvents | NullTensorBoard:
@@ -198,6 +221,8 @@ class MetricsLogger:
                 f"{record['tokens_per_s']:,.0f} tok/s {record['step_time_s'] * 1000:.0f} ms{mfu}",
                 flush=True,
             )
+        elif self.echo and record.get("event") == "straggler":
+            print(straggler_line(record), flush=True)
         elif self.echo:
             print(json.dumps(record), flush=True)
 

@@ -247,15 +247,18 @@ def _steps(
         lr = lr_at(step, cfg.optim, cfg.train.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
-        loss = model(inputs, targets)  # the logits die inside: none stay alive into the next forward
-        loss.backward()
-        grad_norm = None
-        if cfg.optim.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        with ft.section("data"):  # FT: straggler detection times the step's parts (NVRx detection_section)
+            inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
+        with ft.section("forward_backward"):  # FT: holds FSDP's collectives: waits for peers land here
+            loss = model(inputs, targets)  # the logits die inside: none stay alive into the next forward
+            loss.backward()
+            grad_norm = None
+            if cfg.optim.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         checkpointer.wait_for_staging()  # async-safety: the previous save's staging must be done
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with ft.section("optimizer"):  # FT: local work only, like data
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         progress.step = step
         steps_since_log += 1
         last_step = step == cfg.train.steps

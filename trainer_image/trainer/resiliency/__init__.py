@@ -27,7 +27,8 @@ under plain ``torchrun``, under ``ft_launcher`` (``entrypoint.sh``), with or wit
    with the retryable codes of ``trainer.exitcodes`` and the PyTorchJob / pipeline retry restarts it.
 
 Plus: SIGTERM (preemption) handling, fault injection (``trainer.faults``), the recovery ledger
-(``trainer.ledger``) and node health checks (``trainer.health``).
+(``trainer.ledger``), node health checks (``trainer.health``) and straggler detection
+(``resiliency.straggler``, NVRx ``straggler.Detector``: ``trainer.resiliency.straggler``).
 """
 
 # No ``from __future__ import annotations``: NVRx injects the CallWrapper by the evaluated annotation.
@@ -58,6 +59,7 @@ from trainer.exitcodes import (
 )
 from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger
+from trainer.resiliency import straggler as stragglers
 
 log = logging.getLogger(__name__)
 
@@ -250,24 +252,29 @@ class Preemption:
 class NullFaults:
     def maybe_fire(self, step: int) -> None: ...
 
+    def slowed(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 class Layers:
     """Per-process resiliency state; built once, survives in-process restarts. The loop calls its hooks."""
 
     def __init__(self, cfg: JobConfig, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 heartbeat: NullHeartbeat, ledger: Ledger | None, faults: Any, health: list[Any]) -> None:
+                 heartbeat: NullHeartbeat, ledger: Ledger | None, faults: Any, health: list[Any],
+                 straggler: stragglers.NullStraggler | None = None) -> None:
         self.cfg, self.rcfg = cfg, cfg.resiliency
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
         self.heartbeat = heartbeat
         self.ledger = ledger
         self.faults = faults
         self.health = health
+        self.straggler = straggler or stragglers.NullStraggler()
         self.preemption = Preemption(cfg.resiliency.preemption_grace_s)
         self.call_wrapper: Any = None
 
     @classmethod
     def create(cls, cfg: JobConfig, rank: int, world_size: int, local_rank: int,
-               device: torch.device) -> "Layers":
+               device: torch.device, metrics: Any = None) -> "Layers":
         r = cfg.resiliency
         run_dir = Path(cfg.train.run_dir)
         ledger = Ledger(run_dir, rank, world_size)
@@ -301,7 +308,8 @@ class Layers:
             health = node_checks(local_rank, r.sysfs_root)
         # FT: the Wrapper's health check sees the exception behind an in-process restart: the ledger names it
         health.append(lambda state: ledger.note_exception(getattr(state, "fn_exception", None)) or state)
-        return cls(cfg, rank, world_size, local_rank, device, heartbeat, ledger, faults, health)
+        straggler = stragglers.create(r, rank, world_size, device, metrics=metrics, ledger=ledger)
+        return cls(cfg, rank, world_size, local_rank, device, heartbeat, ledger, faults, health, straggler)
 
     @classmethod
     def null(cls) -> "Layers":
@@ -317,6 +325,14 @@ class Layers:
     def on_loop_start(self, resumed_step: int, tier: str | None = None) -> None:
         if self.ledger is not None:
             self.ledger.on_train_start(self.iteration, resumed_step, tier=tier)
+        self.straggler.on_loop_start()
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """A timed part of the step (``straggler.SECTIONS``): NVRx straggler detection times it; once an injected
+        ``slow`` fault fired, the rank sleeps a fraction of it inside."""
+        with self.straggler.section(name), self.faults.slowed():
+            yield
 
     def record(self, event: str, **fields: Any) -> None:
         """A decision worth keeping in the recovery ledger (rank 0's view)."""
@@ -339,6 +355,8 @@ class Layers:
             self.heartbeat.on_save()
         if self.ledger is not None:
             self.ledger.on_step_end(step)
+        # FT: a straggler report every straggler_report_every steps; evict: commit this step, end the job (201)
+        self.straggler.after_step(step, lambda: self._commit(checkpointer, step, state))
         if self.preemption.agreed(self.device, self.world_size):
             try:
                 with self.atomic():  # synchronous: returns once committed (a no-op wait if step was saved)
@@ -349,6 +367,10 @@ class Layers:
             if self.ledger is not None and self.rank == 0:
                 self.ledger.write("preempted", step=step)
             raise TrainerExit(ExitCode.PREEMPTED, f"preempted: final checkpoint of step {step} committed")
+
+    def _commit(self, checkpointer: Any, step: int, state: dict[str, Any]) -> None:
+        with self.atomic():  # synchronous: returns once committed (a no-op wait if step was saved)
+            checkpointer.save(step, state, force=True)
 
     def on_train_end(self, steps: int) -> None:
         if self.ledger is not None:
@@ -383,7 +405,7 @@ def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
     """Run ``train_fn(res, store, layers)`` under the configured layers; raises ``TrainerExit`` or the
     exception that ended training (``exitcodes.classify`` maps it)."""
     env = res.env
-    layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device)
+    layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device, metrics=res.metrics)
     layers.check_health()  # NodeUnhealthy -> UNHEALTHY_NODE before anything else starts
     layers.preemption.install()
     try:
@@ -393,6 +415,7 @@ def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
         return _call(train_fn, res, None, layers)
     finally:
         layers.heartbeat.stop()
+        layers.straggler.close()
 
 
 def _call(train_fn: TrainFn, res: Any, store: Any, layers: Layers) -> dict[str, Any]:
