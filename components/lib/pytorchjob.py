@@ -44,6 +44,8 @@ RESTART_POLICY = "ExitCode"  # restart pods that exit >= 128, fail the job on 1-
 CLEAN_POD_POLICY = "Running"
 GPU_RESOURCE = "nvidia.com/gpu"
 FT_MAX_RESTARTS_ENV = "FT_MAX_RESTARTS"
+NODE_NAME_ENV = "NODE_NAME"
+"""The training pods' node name (downward API), which the trainer's host-naming lines read."""
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 SHARED_VOLUME = "shared"
@@ -67,7 +69,7 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 # Set by the training-operator (rendezvous) or by this module; a user value would be overwritten.
 RESERVED_ENV = frozenset(
-    {FT_MAX_RESTARTS_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED"}
+    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED"}
 )
 RESERVED_ENV_PREFIX = "PET_"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -253,7 +255,10 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
     if spec.gpus_per_node:
         limits[GPU_RESOURCE] = str(spec.gpus_per_node)
     env = [k8s.V1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts)),
-           k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")]  # training logs reach the step log promptly
+           k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),  # training logs reach the step log promptly
+           # the node, for the lines that name a host (a straggler eviction): the pod's hostname is not the node's
+           k8s.V1EnvVar(name=NODE_NAME_ENV, value_from=k8s.V1EnvVarSource(
+               field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))]
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
     if spec.credentials_secret:  # for the base model's download (trainer model.from_hf=hf://..., s3://...)
         env += [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(

@@ -60,6 +60,7 @@ from components.lib.pytorchjob import (
     ENTRYPOINT,
     FT_MAX_RESTARTS_ENV,
     GPU_RESOURCE,
+    NODE_NAME_ENV,
     IMAGE_UID,
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -320,7 +321,9 @@ def build_trainjob(spec: TrainJobSpec, runtime: str | None = None) -> m.TrainerV
         raise ValueError(f"TrainJobSpec {spec.name!r} cannot run as a TrainJob:\n  - " + "\n  - ".join(errors))
     init = spec.model_initializer
     runtime = runtime or (MODEL_RUNTIME_NAME if init else RUNTIME_NAME)
-    env = [m.IoK8sApiCoreV1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts))]
+    env = [m.IoK8sApiCoreV1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts)),
+           m.IoK8sApiCoreV1EnvVar(name=NODE_NAME_ENV, value_from=m.IoK8sApiCoreV1EnvVarSource(
+               field_ref=m.IoK8sApiCoreV1ObjectFieldSelector(field_path="spec.nodeName")))]
     env += [m.IoK8sApiCoreV1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
     if init:
         env.append(m.IoK8sApiCoreV1EnvVar(name=WORKSPACE_SUBPATH_ENV, value=init.workspace_subpath))

@@ -73,7 +73,7 @@ def test_a_base_model_download_gets_the_credentials_by_reference_only():
     validate_object(manifest)
     for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
         (container,) = replica["template"]["spec"]["containers"]
-        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
         assert refs == {name: {"name": "team-creds", "key": key, "optional": True} for key, name in TRAINER_ENV.items()}
     with pytest.raises(ValueError, match="a PyTorchJob has no model initializer"):
         build_pytorchjob(spec_for("gpu-cluster", model_initializer=ModelInitializer("hf://a/b", "rt/r1/workspace")))

@@ -77,7 +77,8 @@ def test_trainjob_validates_and_carries_the_run(case):
     t = body["trainer"]
     assert (t["image"], t["args"], t["numNodes"], t["numProcPerNode"]) == (
         spec.image, list(spec.args), spec.nodes, spec.nproc_per_node)
-    env = {e["name"]: e["value"] for e in t["env"]}
+    env = {e["name"]: e.get("value") for e in t["env"] if "value" in e}
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in t["env"]
     assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **spec.env}
     assert t["resourcesPerNode"].get("limits", {}).get("nvidia.com/gpu") == (
         str(spec.gpus_per_node) if spec.gpus_per_node else None)

@@ -105,7 +105,8 @@ def test_manifest_fields(case: str) -> None:
         (container,) = pod["containers"]
         assert container["name"] == "pytorch"
         assert container["command"] == ["/opt/app/trainer_image/entrypoint.sh"] and container["args"] == ARGS
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
         assert env["FT_MAX_RESTARTS"] == str(spec.ft_max_restarts)
         assert {k: env[k] for k in spec.env} == dict(spec.env)
         assert container.get("envFrom", []) == [{"secretRef": {"name": s}} for s in spec.secret_env_from]
