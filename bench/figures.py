@@ -3,7 +3,8 @@
 ``python bench/figures.py throughput RUN_DIR [--skip 10] [--until N]``: median tokens/s, tokens/s per GPU, step time
 and MFU over the logged steps after ``--skip`` warm-up steps (compilation, allocator warm-up), peak memory, losses.
 ``python bench/figures.py recovery RUN_DIR``: every ``recovered`` record of the recovery ledger (layer, fault,
-seconds from the fault to the first productive step, steps redone) and the ledger's goodput summary.
+seconds from the fault to the first productive step, steps redone, and where those seconds went: ``phases``, see
+``trainer/startup.py``) and the ledger's goodput summary.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def recovery(run_dir: Path) -> None:
         if r.get("event") == "recovered":
             emit({"figure": "recovery", "run": run_dir.name, "layer": r.get("layer"), "fault": r.get("fault_kind"),
                   "fault_step": r.get("fault_step"), "recovery_s": r.get("recovery_s"),
-                  "steps_redone": r.get("steps_redone")})
+                  "steps_redone": r.get("steps_redone"), "phases": r.get("phases")})
     summary = [r for r in ledger if r.get("event") == "summary"]
     if summary:
         s = summary[-1]

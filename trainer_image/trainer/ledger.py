@@ -30,7 +30,9 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     Rank 0, after the first productive (completed) step following a restart. ``recovery_s`` is the time
     from the fault (or, when its time is unknown, from the restart) to that step; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
-    the fault's step is unknown).
+    the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
+    went, ``before_start`` (fault -> this process's creation, or the in-process re-entry of ``train()``) then the
+    start's own phases (``trainer.startup``) and their ``total``.
 ``{"event": "preempted", "step"}``
     Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
     ``preemption`` unless an injected ``sigterm`` fault is pending).
@@ -128,17 +130,22 @@ class Ledger:
         if self.rank == 0:
             self._pending = record
 
-    def on_step_end(self, step: int) -> None:
+    def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
+        """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
+        phases of this (re)start (``{"origin": its wall time, "phases": {...}}``), when measured."""
         if self._pending is None or self.rank != 0:
             return
         restart, self._pending = self._pending, None
         fault = restart["fault"]
         since = fault.get("time") or restart["time"]
         redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault.get("step") is not None else None
+        extra = {}
+        if start is not None:
+            extra["phases"] = {"before_start": round(max(0.0, start["origin"] - since), 3), **start["phases"]}
         self.write(
             "recovered", layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),
-            recovery_s=round(time.time() - since, 3), steps_redone=redone,
+            recovery_s=round(time.time() - since, 3), steps_redone=redone, **extra,
         )
 
     def summarize(self, steps: int) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import parallel, resiliency
+from trainer import parallel, resiliency, startup
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, OptimConfig
 from trainer.data import ShardedTokens, TokenLoader
@@ -142,21 +142,25 @@ def train(
     """Run (or resume) training up to ``train.steps``; returns the summary. Restartable in-process."""
     cfg, env, device = res.cfg, res.env, res.device
     ft = ft or resiliency.NULL()  # FT: recovery layers (resiliency.run); all no-ops when called directly
+    startup.CLOCK.entered_train()  # FT: phases of this (re)start, logged at its first step
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
     checkpointer.keepalive = ft.keepalive  # FT: a slow disk during a blocking save is not a hung rank
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
+        startup.CLOCK.mark("process_group")
         model = build_model(cfg, device)
         optimizer = build_optimizer(model, cfg.optim)
         loader = TokenLoader(
             res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size, cfg.data.seed
         )
         progress = TrainProgress()
+        startup.CLOCK.mark("model")
         state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
                  "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
         checkpointer.load_latest(state)  # FT: memory, then node-local, then disk
+        startup.CLOCK.mark("restore")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException:
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective

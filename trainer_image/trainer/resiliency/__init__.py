@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from trainer import startup
 from trainer.config import ConfigError, JobConfig
 from trainer.exitcodes import (
     EXIT_CODE_DIR_ENV,
@@ -264,6 +265,8 @@ class Layers:
         self.health = health
         self.preemption = Preemption(cfg.resiliency.preemption_grace_s)
         self.call_wrapper: Any = None
+        self.starting = False
+        """Between a (re)start of the loop and the end of its first step (its phases are reported then)."""
 
     @classmethod
     def create(cls, cfg: JobConfig, rank: int, world_size: int, local_rank: int,
@@ -315,6 +318,7 @@ class Layers:
         return self.heartbeat
 
     def on_loop_start(self, resumed_step: int, tier: str | None = None) -> None:
+        self.starting = True
         if self.ledger is not None:
             self.ledger.on_train_start(self.iteration, resumed_step, tier=tier)
 
@@ -337,8 +341,9 @@ class Layers:
     def after_step(self, step: int, checkpointer: Any, state: dict[str, Any], saved: bool) -> None:
         if saved:
             self.heartbeat.on_save()
+        start = self._first_step_done() if self.starting else None
         if self.ledger is not None:
-            self.ledger.on_step_end(step)
+            self.ledger.on_step_end(step, start)
         if self.preemption.agreed(self.device, self.world_size):
             try:
                 with self.atomic():  # synchronous: returns once committed (a no-op wait if step was saved)
@@ -349,6 +354,17 @@ class Layers:
             if self.ledger is not None and self.rank == 0:
                 self.ledger.write("preempted", step=step)
             raise TrainerExit(ExitCode.PREEMPTED, f"preempted: final checkpoint of step {step} committed")
+
+    def _first_step_done(self) -> dict[str, Any] | None:
+        """The first step of this (re)start ended: log its phases; returned for the ledger's ``recovered``."""
+        self.starting = False
+        clock = startup.CLOCK
+        clock.mark("first_step")
+        phases = clock.take()
+        if phases is None:  # nothing marked since the last report
+            return None
+        startup.report(log, phases, clock.reentry)
+        return {"origin": clock.origin, "phases": phases}
 
     def on_train_end(self, steps: int) -> None:
         if self.ledger is not None:
@@ -386,6 +402,7 @@ def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
     layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device)
     layers.check_health()  # NodeUnhealthy -> UNHEALTHY_NODE before anything else starts
     layers.preemption.install()
+    startup.CLOCK.mark("layers")
     try:
         if res.cfg.resiliency.inprocess:
             return _run_inprocess(res, train_fn, layers)
