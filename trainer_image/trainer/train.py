@@ -24,7 +24,7 @@ from torch import nn
 from trainer import parallel, resiliency, startup
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, JobConfig, OptimConfig
-from trainer.data import ShardedTokens, TokenLoader
+from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
 
@@ -52,7 +52,9 @@ class Resources:
         if cfg.train.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums)
+        # FT: hashed once per job, not at every worker (re)start: later starts skip the files verified before
+        dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums,
+                                verified=Path(cfg.train.run_dir) / VERIFIED_FILE)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = dataset.vocab_size
         elif cfg.model.vocab_size < dataset.vocab_size:
