@@ -83,7 +83,7 @@ def test_without_tensorboard_the_writer_is_a_null_object_with_one_log_line(tmp_p
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with caplog.at_level(logging.WARNING, logger=metrics.__name__):
         logger = MetricsLogger(tmp_path, enabled=True, echo=False)
-    assert isinstance(logger._tensorboard, NullTensorBoard)
+        assert isinstance(logger._tensorboard.opened(), NullTensorBoard)  # opened in the background
     assert len(caplog.records) == 1 and "pip install tensorboard" in caplog.records[0].getMessage()
     logger.log(step(1, 5.0))
     logger.close()
@@ -96,3 +96,26 @@ def test_null_object_when_not_rank_zero(tmp_path, enabled):
     writer = metrics.tensorboard_events(tmp_path, enabled)
     assert isinstance(writer, NullTensorBoard) is (not enabled)
     writer.close()
+
+
+def test_tensorboard_opens_in_the_background_and_keeps_what_was_logged_meanwhile(tmp_path, monkeypatch):
+    """Importing tensorboard is off the path to the first step: the logger returns at once, and records logged
+    before the writer is open reach it in order."""
+    import threading
+
+    release = threading.Event()
+    real = metrics.tensorboard_events
+
+    def slow_open(*args):
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(metrics, "tensorboard_events", slow_open)
+    logger = MetricsLogger(tmp_path, enabled=True, echo=False)  # returns while the writer is still opening
+    logger.log(step(1, 5.0))
+    logger.log(step(2, 4.0))
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    release.set()
+    logger.log(step(3, 3.0))
+    logger.close()
+    assert scalars(events(tmp_path), "train/loss") == [(1, 5.0), (2, 4.0), (3, 3.0)]
