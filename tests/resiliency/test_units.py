@@ -15,6 +15,7 @@ from trainer.health import (
     THROTTLE_HW_THERMAL,
     GpuHealthCheck,
     NicHealthCheck,
+    NodeHealth,
     NodeUnhealthy,
     NvLinkHealthCheck,
     node_checks,
@@ -135,6 +136,22 @@ def test_checks_skip_absent_hardware(tmp_path):
     checks[0](None)
     GpuHealthCheck(0, nvml=None)(None)
     NvLinkHealthCheck(0, nvml=None)(None)
+
+
+def test_node_is_not_checked_twice_in_a_row_around_an_in_process_restart():
+    """The Wrapper's calls (iteration, after a fault?) for: the first iteration (start check done), a fault in it,
+    the restarted iteration, a fault there too, the next one. Every check after a fault runs; an entry check
+    right after a check is skipped."""
+    from types import SimpleNamespace
+
+    calls = []
+    health = NodeHealth([lambda state: calls.append(state.iteration) or state], checked_for=0)
+    for iteration in (0, 0, 1, 1, 2):  # enter 0, fault in 0, enter 1, fault in 1, enter 2
+        health(SimpleNamespace(iteration=iteration))
+    assert calls == [0, 1]
+    unchecked = NodeHealth([lambda state: calls.append(state.iteration) or state])
+    unchecked(SimpleNamespace(iteration=0))  # no start check: the first entry is checked
+    assert calls == [0, 1, 0]
 
 
 # --- fault specs -------------------------------------------------------------------------------------

@@ -469,8 +469,9 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         callbacks = dict(initialize=nested.NestedRestarterHandlingCompleted(),
                          completion=nested.NestedRestarterFinalized(),
                          terminate=nested.NestedRestarterAborted())
-    health_check = inprocess.Compose(
-        NodeHealth(layers.health), inprocess.health_check.FaultCounter(max_rank_faults=r.inprocess_max_restarts)
+    health_check = inprocess.Compose(  # run() checked the node at start: that covers the first iteration
+        NodeHealth(layers.health, checked_for=0),
+        inprocess.health_check.FaultCounter(max_rank_faults=r.inprocess_max_restarts),
     )
 
     def restartable(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
