@@ -188,18 +188,23 @@ def test_checksum_computed_from_the_staged_tensors_equals_the_slot_checksum():
     assert checksum(buffer) != int(device_checksum(tensors))
 
 
-def test_slots_are_reserved_in_the_background_before_the_first_save(tmp_path, pg, caplog):
+def test_slots_are_reserved_in_the_background_after_the_first_step_before_the_first_save(tmp_path, pg, caplog):
+    """Nothing is reserved (on CUDA: page-locked, which holds the driver) during the restore and the first step;
+    the reservation starts at the first save() call, the end of the first step, and the first snapshot reuses it."""
     state = make_state()
-    mgr = manager(tmp_path)
+    mgr = manager(tmp_path, interval=2)
     try:
         with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
-            mgr.load_latest(state)  # starts the reservation
+            mgr.load_latest(state)
+            assert mgr.snapshots._prepared is None and all(slot.buffer is None for slot in mgr.snapshots.slots)
+            train_step(state, 1)
+            assert not mgr.save(1, state)  # not due: it only starts the reservation
             mgr.snapshots._prepared.join()
         assert "not prepared" not in caplog.text
-        assert all(slot.buffer is not None for slot in mgr.snapshots.slots)
-        train_step(state, 1)
+        assert all(slot.buffer is not None and slot.ready.is_set() for slot in mgr.snapshots.slots)
         sizes = [slot.buffer.numel() for slot in mgr.snapshots.slots]
-        mgr.save(1, state)
+        train_step(state, 2)
+        assert mgr.save(2, state)
         assert [slot.buffer.numel() for slot in mgr.snapshots.slots] == sizes  # the first save reuses them
     finally:
         mgr.close(job_over=True)

@@ -177,6 +177,7 @@ class CheckpointManager:
         disk; otherwise the call returns after staging. Returns True when a checkpoint of ``step`` was taken.
         Raises ``CheckpointStorageError`` when a write failed (e.g. disk full), naming the directory."""
         self._require_bound()
+        self.snapshots.start_prepare()  # FT: after the first step: pinning the slots would hold the driver during it
         self.policy.tick()
         if self._persist is not None:
             self._poll_persist(blocking=False)  # one tiny collective per step while a write is in flight
@@ -259,7 +260,8 @@ class CheckpointManager:
         return step
 
     def _prepare_slots(self, state: dict[str, Any]) -> None:
-        """Reserve the snapshot slots in the background now, so the first memory checkpoint is cheap."""
+        """Have the snapshot slots reserved in the background from the end of the first step (the first ``save``
+        call), so the first memory checkpoint is cheap and the restore and the first step run alone."""
         model = [local_piece(v) for v in flatten(state, model_only=True)[0].values()]
         device = next((t.device for t, _ in model if t.is_cuda), torch.device("cpu"))
         self.snapshots.prepare(_predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
@@ -509,15 +511,16 @@ class CheckpointManager:
                 break
             slot = self.snapshots.slot_for(step)
             assert slot is not None
-            verified = self.snapshots.verify(step)  # FT: the checksum runs while the snapshot is copied in
             live, _ = flatten(state)
-            with torch.no_grad():
-                for key, value in live.items():
-                    dst, piece = local_piece(value)
-                    if key not in slot.views or slot.pieces.get(key, piece) != piece:
-                        raise CheckpointError(f"snapshot has no matching {key}; the model changed")
-                    dst.copy_(slot.views[key], non_blocking=True)
-            problems = [p for p in self._all_gather(verified()) if p]
+            targets = {}
+            for key, value in live.items():
+                dst, piece = local_piece(value)
+                if key not in slot.views or slot.pieces.get(key, piece) != piece:
+                    raise CheckpointError(f"snapshot has no matching {key}; the model changed")
+                targets[key] = dst
+            with torch.no_grad():  # FT: verified while copied in (on the GPU: page-locked in chunks, checked there)
+                problem = self.snapshots.restore(step, targets)
+            problems = [p for p in self._all_gather(problem) if p]
             if problems:  # the tensors copied so far are overwritten by whatever is loaded next
                 log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
                 continue
