@@ -223,6 +223,8 @@ def test_corrupt_checkpoint_changes_newest_committed_shard(tmp_path):
          "collective_timeout_s (60) must be greater than resiliency.hard_timeout_s (90) on GPU/NCCL"),
         ("tiny", ["--resiliency.monitor_process_interval_s=1"], "monitor_process_interval_s (1) must be smaller than"),
         ("tiny", ["--resiliency.heartbeats=maybe"], "resiliency.heartbeats must be one of"),
+        ("tiny", ["--resiliency.last_call_wait_s=-1"], "last_call_wait_s must be >= 0 and smaller than"),
+        ("tiny", ["--resiliency.last_call_wait_s=30"], "smaller than resiliency.soft_timeout_s (20)"),
     ],
 )
 def test_resiliency_config_rules(flavour, overrides, message):

@@ -31,8 +31,9 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     from the fault (or, when its time is unknown, from the restart) to that step; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
     the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
-    went, ``before_start`` (fault -> this process's creation, or the in-process re-entry of ``train()``) then the
-    start's own phases (``trainer.startup``) and their ``total``.
+    went: what came before the start (in-job ``before_start``: fault -> this process's creation; in-process
+    ``detect``, ``abort``, ``wrapper``: fault -> abort -> re-entry of ``train()``), then the start's own phases and
+    their ``total`` (``trainer.startup``).
 ``{"event": "preempted", "step"}``
     Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
     ``preemption`` unless an injected ``sigterm`` fault is pending).
@@ -141,7 +142,12 @@ class Ledger:
         redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault.get("step") is not None else None
         extra = {}
         if start is not None:
-            extra["phases"] = {"before_start": round(max(0.0, start["origin"] - since), 3), **start["phases"]}
+            abort = start.get("abort")
+            if abort and since <= abort[0]:
+                before = {"detect": abort[0] - since, "abort": abort[1] - abort[0], "wrapper": start["origin"] - abort[1]}
+            else:
+                before = {"before_start": max(0.0, start["origin"] - since)}
+            extra["phases"] = {**{k: round(v, 3) for k, v in before.items()}, **start["phases"]}
         self.write(
             "recovered", layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),

@@ -16,9 +16,11 @@ Phases of a new process, in order (each ends where the next begins):
 - ``first_step``: to the end of the first training step after it (the ledger's "first productive step").
 
 An in-process restart begins again at ``train()``'s entry (``process_group`` ... ``first_step``). The ledger adds
-``before_start``: from the fault to the start of this process (in-job: the launcher's detection, the stop of the
-other workers, the rendezvous, the new process) or to the re-entry (in-process: NVRx's detection, abort,
-barriers and health checks), so the phases of a ``recovered`` record add up to its ``recovery_s``.
+what came before the start, so the phases of a ``recovered`` record add up to its ``recovery_s``: in-job,
+``before_start`` (the launcher's detection, the stop of the other workers, the rendezvous, the new process);
+in-process, ``detect`` (fault -> this rank's abort begins: NVRx's monitor thread hears of it and waits
+``resiliency.last_call_wait_s``), ``abort`` (NCCL abort, process groups destroyed) and ``wrapper`` (health check,
+barriers, garbage collection, until ``train()`` is entered again).
 
 Standard library only: imported before torch so the import phase can be measured.
 """
@@ -57,6 +59,8 @@ class StartClock:
         self._entered_train = False
         self.reentry = False
         """This start is an in-process restart (``train()`` entered again in the same process)."""
+        self.abort: tuple[float, float] | None = None
+        """When the in-process layer's abort began and ended, before this restart (wall times)."""
 
     def mark(self, phase: str) -> None:
         """The phase ``phase`` ends now (a phase marked twice adds up)."""
@@ -73,6 +77,10 @@ class StartClock:
             self.mark("wrapper")
         self._entered_train = True
 
+    def aborted(self, began: float, ended: float) -> None:
+        """The in-process layer aborted this rank's attempt (NVRx's ``abort``) from ``began`` to ``ended``."""
+        self.abort = (began, ended)
+
     def take(self) -> dict[str, float] | None:
         """This start's phases in seconds (and ``total``) once, at the end of its first step; None afterwards."""
         if not self._phases:
@@ -86,8 +94,10 @@ class StartClock:
 CLOCK = StartClock()
 
 
-def report(log: logging.Logger, phases: dict[str, Any], reentry: bool) -> None:
+def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tuple[float, float] | None) -> None:
     """The one log line of a start: each phase, then the total."""
     parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items() if name != "total")
     since = "the in-process re-entry of train()" if reentry else "process start"
-    log.info("start phases (s): %s; %.2f s from %s to the end of the first step", parts, phases["total"], since)
+    before = f" (the in-process abort before it took {abort[1] - abort[0]:.2f} s)" if reentry and abort else ""
+    log.info("start phases (s): %s; %.2f s from %s to the end of the first step%s", parts, phases["total"], since,
+             before)

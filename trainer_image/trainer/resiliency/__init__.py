@@ -33,6 +33,7 @@ Plus: SIGTERM (preemption) handling, fault injection (``trainer.faults``), the r
 # No ``from __future__ import annotations``: NVRx injects the CallWrapper by the evaluated annotation.
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -363,8 +364,9 @@ class Layers:
         phases = clock.take()
         if phases is None:  # nothing marked since the last report
             return None
-        startup.report(log, phases, clock.reentry)
-        return {"origin": clock.origin, "phases": phases}
+        abort, clock.abort = (clock.abort if clock.reentry else None), None
+        startup.report(log, phases, clock.reentry, abort)
+        return {"origin": clock.origin, "phases": phases, "abort": abort}
 
     def on_train_end(self, steps: int) -> None:
         if self.ledger is not None:
@@ -402,6 +404,9 @@ def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
     layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device)
     layers.check_health()  # NodeUnhealthy -> UNHEALTHY_NODE before anything else starts
     layers.preemption.install()
+    # FT: NVRx collects garbage in full before every in-process restart (``while gc.collect()``): the ~260k objects of
+    # the imported modules and of this process's resources, frozen here, are not scanned again (0.15 s a pass on CPU)
+    gc.freeze()
     startup.CLOCK.mark("layers")
     try:
         if res.cfg.resiliency.inprocess:
@@ -469,6 +474,17 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         callbacks = dict(initialize=nested.NestedRestarterHandlingCompleted(),
                          completion=nested.NestedRestarterFinalized(),
                          terminate=nested.NestedRestarterAborted())
+
+    class TimedAbort(inprocess.abort.Abort):
+        """The abort, timed for the restart's phases (``startup``)."""
+
+        def __call__(self, state: Any) -> Any:
+            began = time.time()
+            try:
+                return abort(state)
+            finally:
+                startup.CLOCK.aborted(began, time.time())
+
     health_check = inprocess.Compose(  # run() checked the node at start: that covers the first iteration
         NodeHealth(layers.health, checked_for=0),
         inprocess.health_check.FaultCounter(max_rank_faults=r.inprocess_max_restarts),
@@ -490,7 +506,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
     wrapped = inprocess.Wrapper(
         store_factory=store_factory,
         store_kwargs=store_kwargs,
-        abort=abort,
+        abort=TimedAbort(),
         health_check=health_check,
         soft_timeout=s(r.soft_timeout_s),
         hard_timeout=s(r.hard_timeout_s),
@@ -500,6 +516,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         termination_grace_time=s(r.termination_grace_s),
         monitor_process_interval=s(r.monitor_process_interval_s),
         progress_watchdog_interval=s(r.progress_watchdog_interval_s),
+        last_call_wait=s(r.last_call_wait_s),  # FT: a sleep on every in-process restart's path (NVRx default 1 s)
         monitor_process_logfile=str(logfile),
         **callbacks,
     )(restartable)
