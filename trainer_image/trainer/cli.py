@@ -63,6 +63,8 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     except OSError as exc:
         return _config_error(f"train.run_dir: cannot write the log {log_path} ({exc.strerror or exc}); set "
                              "--train.run_dir to a writable directory")
+    # FT: a respawned worker's start: torch is imported, then its CUDA context is made while the rest is imported
+    startup.warm_cuda(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     from trainer import resiliency  # imports torch: after argument errors are reported
     from trainer.ledger import Ledger
     from trainer.train import Resources, train

@@ -94,6 +94,28 @@ class StartClock:
 CLOCK = StartClock()
 
 
+def warm_cuda(device: str, local_rank: int) -> None:
+    """Import torch, then create this rank's CUDA context in a background thread while the main thread imports the
+    rest (the trainer, FSDP, NVRx): the context is created inside a tensor allocation, which releases the GIL.
+    ``device``: ``train.device``; nothing happens for ``cpu``, or without a GPU for this rank (``select_device``
+    then reports it)."""
+    import threading
+
+    import torch
+
+    if device == "cpu":
+        return
+
+    def create() -> None:
+        try:
+            if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+                torch.empty(1, device=torch.device("cuda", local_rank))
+        except Exception:  # noqa: BLE001 - the main thread's device selection reports any problem
+            pass
+
+    threading.Thread(target=create, name="cuda-context", daemon=True).start()
+
+
 def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tuple[float, float] | None) -> None:
     """The one log line of a start: each phase, then the total."""
     parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items() if name != "total")

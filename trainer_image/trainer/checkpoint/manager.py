@@ -177,7 +177,7 @@ class CheckpointManager:
         disk; otherwise the call returns after staging. Returns True when a checkpoint of ``step`` was taken.
         Raises ``CheckpointStorageError`` when a write failed (e.g. disk full), naming the directory."""
         self._require_bound()
-        self.snapshots.start_prepare()  # FT: after the first step: pinning the slots would hold the driver during it
+        self._after_first_step()
         self.policy.tick()
         if self._persist is not None:
             self._poll_persist(blocking=False)  # one tiny collective per step while a write is in flight
@@ -213,6 +213,14 @@ class CheckpointManager:
         if interval is not None:
             self._record_interval(interval, step_s, cost_s)
         return True
+
+    def _after_first_step(self) -> None:
+        """What the first step after a (re)start must not wait for starts at its end (the first ``save`` call): the
+        snapshot slots' reservation and, for background writes, the writer process."""
+        # FT: page-locking the slots holds the CUDA driver for seconds: not during the restore and the first step
+        self.snapshots.start_prepare()
+        if self.cfg.async_save and self.cfg.persist_every > 0:
+            self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
 
     def wait_for_staging(self) -> None:
         """Called before ``optimizer.step()``: blocks until the device-to-host copy of a memory checkpoint has
