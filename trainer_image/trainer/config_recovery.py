@@ -140,6 +140,10 @@ class ResiliencyConfig:
     (NVRx skips timeout checks while watchdog timestamps keep arriving)."""
     progress_watchdog_interval_s: float = 1.0
     """In-process: how often the progress watchdog reports a timestamp to the monitor process."""
+    restore_warmup: bool = True
+    """GPU: while a new process copies its snapshot in (node-local tier), one forward and backward on a dummy batch
+    (discarded) warm the CUDA caching allocator, cuBLAS and the kernels its first real step would otherwise wait
+    for. It runs inside the recovery time the ledger measures; the RNG and data position are restored after it."""
     last_call_wait_s: float = 0.1
     """In-process: once a rank reported a fault, how long every rank waits for others to report theirs before it
     aborts and restarts. Every in-process restart pays it; it only decides which ranks the restart's log line names

@@ -43,6 +43,8 @@ class Resources:
     checkpointer: CheckpointManager
     """One per process: its background writer and host staging buffers survive in-process restarts."""
     started_at: float = field(default_factory=time.time)
+    warm: bool = False
+    """A training step ran in this process: the allocator's cache and the kernels are warm."""
 
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
@@ -161,7 +163,8 @@ def train(
         startup.CLOCK.mark("model")
         state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
                  "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
-        checkpointer.load_latest(state)  # FT: memory, then node-local, then disk
+        # FT: memory, then node-local, then disk; a new GPU process warms up while the snapshot is copied in
+        checkpointer.load_latest(state, while_copying=_warmup(res, model))
         startup.CLOCK.mark("restore")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException:
@@ -178,6 +181,36 @@ def train(
     # Wrapper hears of the fault (seen on H200: the peer then waited for the soft timeout).
     parallel.destroy_process_group()
     return summary
+
+
+def warm_up_step(model: nn.Module, batch_size: int, seq_len: int, device: torch.device) -> None:
+    """One forward and backward on a dummy batch, gradients dropped: it changes no parameter, optimizer state, RNG
+    stream or data position, only what is warm (the allocator's cache, cuBLAS handles, loaded kernels, FSDP's lazy
+    initialisation)."""
+    tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
+    with torch.enable_grad():  # the restore copies under no_grad
+        model(tokens, tokens).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _warmup(res: Resources, model: nn.Module) -> Any:
+    """``resiliency.restore_warmup``: ``warm_up_step`` while the snapshot is copied in, for a new GPU process (its
+    first real step then finds everything warm); None otherwise. It only reads the parameters the restore writes on
+    its own stream."""
+    cfg, device = res.cfg, res.device
+    if res.warm or device.type != "cuda" or not cfg.resiliency.restore_warmup:
+        return None
+
+    def warm_up() -> None:
+        if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
+            return
+        started = time.perf_counter()
+        warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
+        res.warm = True
+        log.info("warm-up forward and backward (discarded) issued in %.2f s while the snapshot was copied in",
+                 time.perf_counter() - started)
+
+    return warm_up
 
 
 class GarbageCollection:
@@ -250,6 +283,7 @@ def _steps(
         checkpointer.wait_for_staging()  # async-safety: the previous save's staging must be done
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        res.warm = True
         progress.step = step
         steps_since_log += 1
         last_step = step == cfg.train.steps

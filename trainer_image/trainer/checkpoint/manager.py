@@ -237,12 +237,13 @@ class CheckpointManager:
         """This rank's newest complete memory checkpoint, or None."""
         return self.snapshots.newest()
 
-    def load_latest(self, state: dict[str, Any]) -> int | None:
+    def load_latest(self, state: dict[str, Any], while_copying: Callable[[], None] | None = None) -> int | None:
         """Restore the newest checkpoint every rank can load (collective); returns its step, or None when training
         starts fresh. Tiers, nearest first: memory, node-local, persistent. An invalid persistent checkpoint is
         moved aside as ``step-X.corrupt-<reason>`` with an ERROR line and the previous one is tried; a bad
         node-local snapshot is ignored with a WARNING. Raises ``CheckpointError`` when checkpoints exist but none
-        is valid. Without one, ``init_from`` warm-starts."""
+        is valid. Without one, ``init_from`` warm-starts. ``while_copying`` runs while a snapshot (memory or
+        node-local tier) is copied in, before its non-tensor state (RNG, data position) is applied."""
         self._require_bound()
         self._remove_incomplete()
         self._save_bytes = self._estimate_save_bytes(state)
@@ -253,7 +254,7 @@ class CheckpointManager:
         self.restored_from = None
         step = None
         if self.cfg.resume:
-            step = self._load_snapshot(state)
+            step = self._load_snapshot(state, while_copying or (lambda: None))
             if step is None:
                 step = self._load_newest_valid(state)
         if step is None and self.cfg.init_from:
@@ -506,7 +507,7 @@ class CheckpointManager:
                     shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
 
-    def _load_snapshot(self, state: dict[str, Any]) -> int | None:
+    def _load_snapshot(self, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
         """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""
         in_process = any(s.buffer is not None for s in self.snapshots.slots)
         held = self.snapshots.discover(lambda: local_tensors(state)[1])
@@ -527,7 +528,7 @@ class CheckpointManager:
                     raise CheckpointError(f"snapshot has no matching {key}; the model changed")
                 targets[key] = dst
             with torch.no_grad():  # FT: verified while copied in (on the GPU: page-locked in chunks, checked there)
-                problem = self.snapshots.restore(step, targets)
+                problem = self.snapshots.restore(step, targets, while_copying)
             problems = [p for p in self._all_gather(problem) if p]
             if problems:  # the tensors copied so far are overwritten by whatever is loaded next
                 log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
