@@ -270,6 +270,11 @@ def test_entrypoint_rejects_arguments_ft_launcher_would_swallow():
     result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"],
                             capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "FT_MAX_RESTARTS": "x"})
     assert result.returncode == ExitCode.CONFIG_ERROR and "FT_MAX_RESTARTS must be a non-negative integer" in result.stderr
+    result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"],
+                            capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "FT_MONITOR_INTERVAL": "0"})
+    assert result.returncode == ExitCode.CONFIG_ERROR and "FT_MONITOR_INTERVAL must be a number of seconds > 0" \
+        in result.stderr
 
 
 # --- ledger ------------------------------------------------------------------------------------------
