@@ -60,12 +60,13 @@ def test_chunks_are_registered_ahead_and_copied_exactly_even_when_one_cannot_be_
             registered.append((address, nbytes))
         return address != refused  # the driver refuses one chunk: it is copied from pageable memory
 
-    pinned = chunked.copy_in_chunks(buffer, plan, targets, register)
+    pinned: list[int] = []
+    chunked.copy_in_chunks(buffer, plan, targets, register, pinned)
     for key, view in views.items():
         assert torch.equal(targets[key].view(torch.uint8), view.view(torch.uint8)), key
     base = buffer.data_ptr()
     assert sorted(registered) == [(base + start, end - start) for start, end, _ in plan]
-    assert pinned == [base + start for start, _, _ in plan if base + start != refused]
+    assert sorted(pinned) == [base + start for start, _, _ in plan if base + start != refused]
     # what the GPU path compares with the header: the targets' checksum equals the slot's
     assert chunked.wrap64(int(device_checksum(list(targets.values())))) == checksum(buffer)
 
@@ -73,3 +74,18 @@ def test_chunks_are_registered_ahead_and_copied_exactly_even_when_one_cannot_be_
 def test_wrap64_matches_int64_overflow():
     words = torch.tensor([2**62, 2**62, 2**62], dtype=torch.int64)
     assert chunked.wrap64(sum(int(w) for w in words)) == int(words.sum())
+
+
+def test_chunks_locked_before_a_failed_copy_are_still_reported_for_unlocking():
+    buffer, layout, views = _slot()
+    plan = chunked.chunk_plan(layout, views, buffer.numel(), CHUNK)
+    targets = {key: torch.empty_like(view) for key, view in views.items()}
+    targets["d"] = targets["d"][:1]  # too small: its copy fails mid-restore
+    pinned: list[int] = []
+    try:
+        chunked.copy_in_chunks(buffer, plan, targets, lambda address, nbytes: True, pinned)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the copy into a too small target must fail")
+    assert sorted(pinned) == [buffer.data_ptr() + start for start, _, _ in plan], "every locked chunk is reported"

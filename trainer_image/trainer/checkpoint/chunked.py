@@ -14,6 +14,7 @@ the slots are prepared for the next snapshots, after the first step (``SnapshotS
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,24 +50,31 @@ def chunk_plan(layout: dict[str, tuple[str, int, tuple[int, ...]]], keys: Iterab
 
 
 def copy_in_chunks(buffer: torch.Tensor, plan: Plan, targets: dict[str, torch.Tensor],
-                   register: Callable[[int, int], bool], stream: Any = None,
-                   thread_init: Callable[[], None] = lambda: None) -> list[int]:
+                   register: Callable[[int, int], bool], registered: list[int], stream: Any = None,
+                   thread_init: Callable[[], None] = lambda: None) -> None:
     """Copy the planned pieces of ``buffer`` (the slot's bytes) into the contiguous ``targets``. Each chunk is first
     page-locked by ``register(address, nbytes)`` on ``REGISTER_THREADS`` threads (``thread_init`` runs in each), so
     later chunks are being locked while earlier ones are copied (asynchronously, on ``stream`` when given). A chunk
-    ``register`` could not lock is copied from pageable memory. Returns the addresses registered."""
+    ``register`` could not lock is copied from pageable memory. Every address locked is appended to ``registered``
+    as soon as it is (also when a copy fails: the caller unregisters them)."""
     flat = {key: target.view(-1).view(torch.uint8) for key, target in targets.items()}
     base = buffer.data_ptr()
-    registered = []
+    guard = threading.Lock()
+
+    def lock_chunk(address: int, nbytes: int) -> bool:
+        if not register(address, nbytes):
+            return False
+        with guard:
+            registered.append(address)
+        return True
+
     with ThreadPoolExecutor(REGISTER_THREADS, thread_name_prefix="snapshot-register", initializer=thread_init) as pool:
-        locked = [pool.submit(register, base + start, end - start) for start, end, _ in plan]
+        locked = [pool.submit(lock_chunk, base + start, end - start) for start, end, _ in plan]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for (start, _, pieces), lock in zip(plan, locked):
-                if lock.result():
-                    registered.append(base + start)
+            for (_, _, pieces), lock in zip(plan, locked):
+                lock.result()
                 for key, at, src, length in pieces:
                     flat[key][at : at + length].copy_(buffer[src : src + length], non_blocking=True)
-    return registered
 
 
 def cuda_register(address: int, nbytes: int) -> bool:

@@ -479,8 +479,8 @@ class SnapshotStore:
         def copy() -> None:
             try:
                 torch.cuda.set_device(device)
-                outcome["pins"] = chunked.copy_in_chunks(slot.buffer, plan, targets, chunked.cuda_register, stream,
-                                                         thread_init=lambda: torch.cuda.set_device(device))
+                chunked.copy_in_chunks(slot.buffer, plan, targets, chunked.cuda_register, slot.chunk_pins, stream,
+                                       thread_init=lambda: torch.cuda.set_device(device))
             except BaseException as exc:  # re-raised in the caller
                 outcome["error"] = exc
 
@@ -490,7 +490,6 @@ class SnapshotStore:
             overlap()
         finally:
             copier.join()
-        slot.chunk_pins += outcome.get("pins", [])
         if "error" in outcome:
             raise outcome["error"]
         torch.cuda.current_stream(device).wait_stream(stream)
