@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from trainer.checkpoint import chunked
@@ -82,10 +83,6 @@ def test_chunks_locked_before_a_failed_copy_are_still_reported_for_unlocking():
     targets = {key: torch.empty_like(view) for key, view in views.items()}
     targets["d"] = targets["d"][:1]  # too small: its copy fails mid-restore
     pinned: list[int] = []
-    try:
+    with pytest.raises(RuntimeError):
         chunked.copy_in_chunks(buffer, plan, targets, lambda address, nbytes: True, pinned)
-    except RuntimeError:
-        pass
-    else:
-        raise AssertionError("the copy into a too small target must fail")
     assert sorted(pinned) == [buffer.data_ptr() + start for start, _, _ in plan], "every locked chunk is reported"
