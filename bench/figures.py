@@ -3,13 +3,17 @@
 ``python bench/figures.py throughput RUN_DIR [--skip 10] [--until N]``: median tokens/s, tokens/s per GPU, step time
 and MFU over the logged steps after ``--skip`` warm-up steps (compilation, allocator warm-up), peak memory, losses.
 ``python bench/figures.py recovery RUN_DIR``: every ``recovered`` record of the recovery ledger (layer, fault,
-seconds from the fault to the first productive step, steps redone) and the ledger's goodput summary.
+seconds from the fault to the first productive step, steps redone, and where those seconds went: ``phases``, see
+``trainer/startup.py``) and the ledger's goodput summary.
+``python bench/figures.py starts RUN_DIR [--rank 0]``: every start of that rank (the first, each in-process and
+in-job restart) with its phases, from the ``start phases`` lines of ``RUN_DIR/logs/trainer-rank<R>.log``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -54,7 +58,7 @@ def recovery(run_dir: Path) -> None:
         if r.get("event") == "recovered":
             emit({"figure": "recovery", "run": run_dir.name, "layer": r.get("layer"), "fault": r.get("fault_kind"),
                   "fault_step": r.get("fault_step"), "recovery_s": r.get("recovery_s"),
-                  "steps_redone": r.get("steps_redone")})
+                  "steps_redone": r.get("steps_redone"), "phases": r.get("phases")})
     summary = [r for r in ledger if r.get("event") == "summary"]
     if summary:
         s = summary[-1]
@@ -62,15 +66,35 @@ def recovery(run_dir: Path) -> None:
               "productive_s": s.get("productive_s"), "steps": s.get("steps"), "restarts": s.get("by_layer")})
 
 
+START_LINE = re.compile(r"^(\S+ \S+) .*start phases \(s\): (.*); ([\d.]+) s from (process start|the in-process re-entry)")
+
+
+def starts(run_dir: Path, rank: int) -> None:
+    """Each start's phases as logged by ``trainer.startup.report`` (one line per start and rank)."""
+    log = run_dir / "logs" / f"trainer-rank{rank}.log"
+    if not log.is_file():
+        sys.exit(f"{log} not found")
+    for line in log.read_text(errors="replace").splitlines():
+        match = START_LINE.match(line)
+        if match:
+            phases = {name: float(seconds) for name, seconds in (p.rsplit(" ", 1) for p in match[2].split(", "))}
+            emit({"figure": "start", "run": run_dir.name, "rank": rank, "time": match[1],
+                  "kind": "new process" if match[4] == "process start" else "in-process restart",
+                  "total_s": float(match[3]), "phases": phases})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("throughput", "recovery"))
+    parser.add_argument("kind", choices=("throughput", "recovery", "starts"))
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--until", type=int, default=None, help="throughput: ignore step records after this step")
+    parser.add_argument("--rank", type=int, default=0, help="starts: whose log")
     args = parser.parse_args()
     if args.kind == "throughput":
         throughput(args.run_dir, args.skip, args.until)
+    elif args.kind == "starts":
+        starts(args.run_dir, args.rank)
     else:
         recovery(args.run_dir)
 

@@ -4,8 +4,8 @@
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery goodput
 #
 # Runs on the lent H200 machine (source bench/gpu_env.sh first there) or any CUDA host with the project
-# installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `goodput`
-# (an 8-minute run with one exception and one SIGKILL) takes a call of its own.
+# installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `recovery` alone
+# (one GPU) takes ~3 minutes; `goodput` (an 8-minute run with one exception and one SIGKILL) takes a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/bench}"
@@ -64,10 +64,17 @@ part_checkpoint() {  # the tiers: memory-checkpoint blocking vs the D2H floor, t
   rm -rf "$CKPT_ROOT/bench"
 }
 
-part_recovery() {
+part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) recovery, 1b eager on one GPU
   ensure_data
-  faulty "recovery" "$NGPU" --train.steps=60 --checkpoint.interval=10 --resiliency.faults=1:25:exception,0:45:sigkill
-  python3 bench/figures.py recovery "$OUT/recovery" | fig
+  # Snapshots every 10 steps (node-local publication on); nothing persisted before the final save. The exception
+  # (in-process: memory tier) and the SIGKILL (in-job: node-local tier) land 5 steps after a snapshot.
+  faulty "recovery" 1 --train.steps=60 --checkpoint.interval=10 --checkpoint.persist_every=0 \
+    --resiliency.faults=0:25:exception,0:45:sigkill
+  python3 bench/figures.py recovery "$OUT/recovery" | fig  # recovery_s with its phases (trainer/startup.py)
+  python3 bench/figures.py starts "$OUT/recovery" | fig   # every start of rank 0, the first one included
+  grep -hE "start phases|warm-up|restored step|injecting fault|term_ex|Worker group|joined round|checkpoint committed" \
+    "$OUT/recovery.log" | cut -c1-260 > "$OUT/recovery-events.log"
+  python3 bench/startup_probe.py | fig  # cold start: context made serially vs while the trainer imports
   rm -rf "$CKPT_ROOT/recovery"
 }
 

@@ -17,6 +17,8 @@
 #                                       resiliency.preemption_grace_s (final checkpoint), default 60
 #   FT_WORKERS_STOP_TIMEOUT             s from SIGTERM to SIGKILL when stopping workers to restart, default 15
 #   FT_WORKLOAD_CHECK_INTERVAL          s between rank-monitor checks, default 5
+#   FT_MONITOR_INTERVAL                 s between ft_launcher's checks of its workers' processes: bounds how long a
+#                                       dead worker goes unnoticed (every in-job restart waits up to it), default 0.1
 #   FT_RESTART_POLICY                   any-failed (default) or min-healthy
 #   FT_ENABLE_NIC_MONITOR               True/False; default True only where an NVIDIA driver is present
 #
@@ -66,6 +68,7 @@ rank_hb="${FT_RANK_HEARTBEAT_TIMEOUT:-300}"
 term_timeout="${FT_TERM_TIMEOUT:-60}"
 workers_stop_timeout="${FT_WORKERS_STOP_TIMEOUT:-15}"
 check_interval="${FT_WORKLOAD_CHECK_INTERVAL:-5}"
+monitor_interval="${FT_MONITOR_INTERVAL:-0.1}"
 restart_policy="${FT_RESTART_POLICY:-any-failed}"
 rdzv_id="${FT_RDZV_ID:-resilient-train}"
 if [[ -n "${FT_ENABLE_NIC_MONITOR:-}" ]]; then
@@ -83,6 +86,10 @@ for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:
             "FT_WORKERS_STOP_TIMEOUT:$workers_stop_timeout" "FT_WORKLOAD_CHECK_INTERVAL:$check_interval"; do
   require_int "${pair%%:*}" "${pair#*:}"
 done
+if ! [[ "$monitor_interval" =~ ^[0-9]*\.?[0-9]+$ ]] || [[ "$monitor_interval" =~ ^0*\.?0*$ ]]; then
+  log "FT_MONITOR_INTERVAL must be a number of seconds > 0; got '$monitor_interval'"
+  exit "$CONFIG_ERROR"
+fi
 case "$restart_policy" in any-failed|min-healthy) ;; *)
   log "FT_RESTART_POLICY must be any-failed or min-healthy; got '$restart_policy'"; exit "$CONFIG_ERROR" ;;
 esac
@@ -137,7 +144,7 @@ launcher=(
   --max-restarts "$max_restarts"
   --term-timeout "$term_timeout"
   --workers-stop-timeout "$workers_stop_timeout"
-  --monitor-interval 1
+  --monitor-interval "$monitor_interval"
   --ft-initial-rank-heartbeat-timeout "$initial_hb"
   --ft-rank-heartbeat-timeout "$rank_hb"
   --ft-workload-check-interval "$check_interval"

@@ -268,3 +268,30 @@ def test_a_blocking_save_keeps_the_rank_alive_while_the_disk_writes_within_its_b
             assert "liveness" not in caplog.text
     finally:
         mgr.close()
+
+
+def test_the_writer_process_starts_after_the_first_step_and_is_ready_for_the_first_write(tmp_path, pg):
+    """Spawning the writer (it imports torch) is neither on the path to the first step nor on the first write's: it
+    starts at the end of the first step, protected from a preemption's SIGTERM from then on, and stops cleanly."""
+    import os
+    import signal
+
+    state = make_state()
+    mgr = manager(tmp_path, interval=2)
+    try:
+        mgr.load_latest(state)
+        assert mgr.writer._queue is None
+        train_step(state, 1)
+        assert not mgr.save(1, state)  # not due: starts the writer
+        process = mgr.writer._queue.persistent_caller.process
+        assert process.is_alive()
+        deadline = time.monotonic() + 60
+        while mgr.writer._queue.persistent_caller.comp_q.empty() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the start request ran: the writer is ready
+        os.kill(process.pid, signal.SIGTERM)  # ft_launcher signals the whole process group on preemption
+        train_step(state, 2)
+        assert mgr.save(2, state, force=True)
+        assert committed_steps(mgr.dir) == [2] and process.is_alive(), "written by the pre-started writer"
+    finally:
+        mgr.close(job_over=True)
+    assert not process.is_alive(), "stopped with the manager"

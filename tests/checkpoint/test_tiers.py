@@ -188,18 +188,23 @@ def test_checksum_computed_from_the_staged_tensors_equals_the_slot_checksum():
     assert checksum(buffer) != int(device_checksum(tensors))
 
 
-def test_slots_are_reserved_in_the_background_before_the_first_save(tmp_path, pg, caplog):
+def test_slots_are_reserved_in_the_background_after_the_first_step_before_the_first_save(tmp_path, pg, caplog):
+    """Nothing is reserved (on CUDA: page-locked, which holds the driver) during the restore and the first step;
+    the reservation starts at the first save() call, the end of the first step, and the first snapshot reuses it."""
     state = make_state()
-    mgr = manager(tmp_path)
+    mgr = manager(tmp_path, interval=2)
     try:
         with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
-            mgr.load_latest(state)  # starts the reservation
+            mgr.load_latest(state)
+            assert mgr.snapshots._prepared is None and all(slot.buffer is None for slot in mgr.snapshots.slots)
+            train_step(state, 1)
+            assert not mgr.save(1, state)  # not due: it only starts the reservation
             mgr.snapshots._prepared.join()
         assert "not prepared" not in caplog.text
-        assert all(slot.buffer is not None for slot in mgr.snapshots.slots)
-        train_step(state, 1)
+        assert all(slot.buffer is not None and slot.ready.is_set() for slot in mgr.snapshots.slots)
         sizes = [slot.buffer.numel() for slot in mgr.snapshots.slots]
-        mgr.save(1, state)
+        train_step(state, 2)
+        assert mgr.save(2, state)
         assert [slot.buffer.numel() for slot in mgr.snapshots.slots] == sizes  # the first save reuses them
     finally:
         mgr.close(job_over=True)
@@ -215,3 +220,33 @@ def test_a_snapshot_only_some_ranks_hold_is_forgotten_after_the_restore(tmp_path
         result = (tmp_path / f"rank{rank}.result").read_text()
         assert result.startswith("held after restore [4]; saved step 8 on both ranks"), out
         assert result.endswith("held now [4, 8]"), out
+
+
+def test_a_warm_up_step_while_the_snapshot_is_copied_in_changes_nothing(tmp_path, pg):
+    """On GPU a respawned worker runs a discarded forward and backward while its node-local snapshot is copied in
+    (resiliency.restore_warmup); here the same step on CPU: training then continues bit-identically."""
+    from statelib import SEQ
+    from trainer.train import warm_up_step
+
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0)
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    mgr.close()  # the worker dies; its snapshot of step 2 stays on the node
+    continued = []
+    for warm in (False, True):
+        respawned = manager(tmp_path)
+        try:
+            restored = make_state(seed=7)
+            calls = []
+            hook = (lambda: calls.append(warm_up_step(restored["model"], 2, SEQ, torch.device("cpu")))) if warm else None
+            assert respawned.load_latest(restored, while_copying=hook) == 2
+            assert respawned.restored_from == "node-local" and len(calls) == int(warm)
+            assert all(p.grad is None for p in restored["model"].parameters())
+            torch.manual_seed(123)
+            train_step(restored, 3)
+            continued.append(snapshot(restored))
+        finally:
+            respawned.close()
+    assert_equal(continued[0], continued[1])

@@ -183,6 +183,9 @@ def test_sigkill_and_oom_on_each_rank_are_recovered_in_job(tmp_path, tiny_datase
         ("sigkill", 3), ("oom", 5), ("sigkill", 7), ("oom", 9)]
     assert {r["layer"] for r in recovered} == {"injob"}
     assert [r["attempt"] for r in recovered] == [1, 2, 3, 4]
+    for r in recovered:  # where the seconds went, from the fault to the end of the first step
+        assert {"before_start", "import", "resources", "wrapper", "restore", "first_step"} <= set(r["phases"])
+        assert r["phases"]["before_start"] + r["phases"]["total"] == pytest.approx(r["recovery_s"], abs=0.05)
     restarts = events(tmp_path, "restart")
     assert {r["tier"] for r in restarts} == {"node-local"}, "a respawned worker resumes from host memory on its node"
     assert_same_weights(tmp_path, reference)

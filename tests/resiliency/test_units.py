@@ -15,6 +15,7 @@ from trainer.health import (
     THROTTLE_HW_THERMAL,
     GpuHealthCheck,
     NicHealthCheck,
+    NodeHealth,
     NodeUnhealthy,
     NvLinkHealthCheck,
     node_checks,
@@ -137,6 +138,22 @@ def test_checks_skip_absent_hardware(tmp_path):
     NvLinkHealthCheck(0, nvml=None)(None)
 
 
+def test_node_is_not_checked_twice_in_a_row_around_an_in_process_restart():
+    """The Wrapper's calls (iteration, after a fault?) for: the first iteration (start check done), a fault in it,
+    the restarted iteration, a fault there too, the next one. Every check after a fault runs; an entry check
+    right after a check is skipped."""
+    from types import SimpleNamespace
+
+    calls = []
+    health = NodeHealth([lambda state: calls.append(state.iteration) or state], checked_for=0)
+    for iteration in (0, 0, 1, 1, 2):  # enter 0, fault in 0, enter 1, fault in 1, enter 2
+        health(SimpleNamespace(iteration=iteration))
+    assert calls == [0, 1]
+    unchecked = NodeHealth([lambda state: calls.append(state.iteration) or state])
+    unchecked(SimpleNamespace(iteration=0))  # no start check: the first entry is checked
+    assert calls == [0, 1, 0]
+
+
 # --- fault specs -------------------------------------------------------------------------------------
 def test_fault_specs_parse():
     assert parse_faults(["1:5:exception", " 0:8:sigkill "]) == [FaultSpec(1, 5, "exception"), FaultSpec(0, 8, "sigkill")]
@@ -206,6 +223,8 @@ def test_corrupt_checkpoint_changes_newest_committed_shard(tmp_path):
          "collective_timeout_s (60) must be greater than resiliency.hard_timeout_s (90) on GPU/NCCL"),
         ("tiny", ["--resiliency.monitor_process_interval_s=1"], "monitor_process_interval_s (1) must be smaller than"),
         ("tiny", ["--resiliency.heartbeats=maybe"], "resiliency.heartbeats must be one of"),
+        ("tiny", ["--resiliency.last_call_wait_s=-1"], "last_call_wait_s must be >= 0 and smaller than"),
+        ("tiny", ["--resiliency.last_call_wait_s=30"], "smaller than resiliency.soft_timeout_s (20)"),
     ],
 )
 def test_resiliency_config_rules(flavour, overrides, message):
@@ -251,6 +270,11 @@ def test_entrypoint_rejects_arguments_ft_launcher_would_swallow():
     result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"],
                             capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "FT_MAX_RESTARTS": "x"})
     assert result.returncode == ExitCode.CONFIG_ERROR and "FT_MAX_RESTARTS must be a non-negative integer" in result.stderr
+    result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"],
+                            capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "FT_MONITOR_INTERVAL": "0"})
+    assert result.returncode == ExitCode.CONFIG_ERROR and "FT_MONITOR_INTERVAL must be a number of seconds > 0" \
+        in result.stderr
 
 
 # --- ledger ------------------------------------------------------------------------------------------

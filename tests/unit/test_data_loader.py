@@ -314,3 +314,40 @@ def test_eval_batches_max_batches_and_errors(synthetic: ShardedTokens) -> None:
         eval_batches(synthetic, 4, 2, 0, 1, max_batches=0)
     with pytest.raises(ValueError, match="at least 73 tokens in one shard"):
         eval_batches(synthetic, 4, 6, 0, 3)
+
+
+def test_dataset_is_hashed_once_per_job_and_a_file_changed_since_again(tmp_path: Path, monkeypatch) -> None:
+    """A restarted worker skips the files verified earlier in the job (the marker in the run directory), but a
+    shard rewritten since (another size, mtime or inode) is hashed again, and corrupt is still a ShardError."""
+    root = _write_synthetic(tmp_path / "syn", [41, 30])
+    marker = tmp_path / "run" / data.VERIFIED_FILE
+    scanned: list[str] = []
+    real_scan = data._scan_file
+    monkeypatch.setattr(data, "_scan_file", lambda path, dtype: scanned.append(path.name) or real_scan(path, dtype))
+
+    ShardedTokens(root, verified=marker)
+    assert scanned == ["train-00000.bin", "train-00001.bin"] and marker.is_file()
+    ShardedTokens(root, verified=marker)
+    assert scanned == ["train-00000.bin", "train-00001.bin"], "the second start hashes nothing"
+
+    shard = root / "train-00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0x01
+    shard.with_name("new").write_bytes(bytes(raw))
+    shard.with_name("new").replace(shard)  # corrupt and replaced (same size): a new inode
+    with pytest.raises(ShardError, match=r"train-00001\.bin is corrupt: its sha256"):
+        ShardedTokens(root, verified=marker)
+    assert scanned[2:] == ["train-00001.bin"], "only the changed shard is hashed again"
+
+
+def test_a_changed_manifest_is_verified_in_full(tmp_path: Path, monkeypatch) -> None:
+    root = _write_synthetic(tmp_path / "syn", [41, 30])
+    marker = tmp_path / data.VERIFIED_FILE
+    ShardedTokens(root, verified=marker)
+    _edit_manifest(root, vocab_size=50)  # the same files under another manifest: token ids now out of range
+    with pytest.raises(ShardError, match=r"train-00001\.bin holds token id 70 >= vocab_size 50"):
+        ShardedTokens(root, verified=marker)
+    marker.write_text("not json")  # unreadable: verified again, not an error
+    _edit_manifest(root, vocab_size=65536)
+    assert len(ShardedTokens(root, verified=marker).shards) == 2
+    assert json.loads(marker.read_text())["files"].keys() == {"tokenizer.json", "train-00000.bin", "train-00001.bin"}

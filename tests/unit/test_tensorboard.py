@@ -83,7 +83,7 @@ def test_without_tensorboard_the_writer_is_a_null_object_with_one_log_line(tmp_p
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with caplog.at_level(logging.WARNING, logger=metrics.__name__):
         logger = MetricsLogger(tmp_path, enabled=True, echo=False)
-    assert isinstance(logger._tensorboard, NullTensorBoard)
+        assert isinstance(logger._tensorboard.opened(), NullTensorBoard)  # opened in the background
     assert len(caplog.records) == 1 and "pip install tensorboard" in caplog.records[0].getMessage()
     logger.log(step(1, 5.0))
     logger.close()
@@ -141,3 +141,26 @@ def test_straggler_reports_draw_each_ranks_scores_and_one_console_line(tmp_path,
     out = capsys.readouterr().out
     assert "straggler report step 20 (host): slowest relative rank 1 (b) 0.60, rank 0 (a) 1.00; below 0.75: [1]" in out
     assert '"ranks"' not in out  # not the whole record
+
+
+def test_tensorboard_opens_in_the_background_and_keeps_what_was_logged_meanwhile(tmp_path, monkeypatch):
+    """Importing tensorboard is off the path to the first step: the logger returns at once, and records logged
+    before the writer is open reach it in order."""
+    import threading
+
+    release = threading.Event()
+    real = metrics.tensorboard_events
+
+    def slow_open(*args):
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(metrics, "tensorboard_events", slow_open)
+    logger = MetricsLogger(tmp_path, enabled=True, echo=False)  # returns while the writer is still opening
+    logger.log(step(1, 5.0))
+    logger.log(step(2, 4.0))
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    release.set()
+    logger.log(step(3, 3.0))
+    logger.close()
+    assert scalars(events(tmp_path), "train/loss") == [(1, 5.0), (2, 4.0), (3, 3.0)]

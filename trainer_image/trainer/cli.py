@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainer import startup
 from trainer.config import ConfigError, describe, parse_args
 from trainer.exitcodes import ExitCode, TrainerExit, classify, code_name, is_retryable, on_exit, record_exit
 
@@ -62,10 +63,13 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     except OSError as exc:
         return _config_error(f"train.run_dir: cannot write the log {log_path} ({exc.strerror or exc}); set "
                              "--train.run_dir to a writable directory")
+    # FT: a respawned worker's start: torch is imported, then its CUDA context is made while the rest is imported
+    startup.warm_cuda(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     from trainer import resiliency  # imports torch: after argument errors are reported
     from trainer.ledger import Ledger
     from trainer.train import Resources, train
 
+    startup.CLOCK.mark("import")
     ledger = Ledger(cfg.train.run_dir, int(rank))
     # FT: every way out records its exit in the ledger: the next attempt names it as its restart's cause
     cleanup.enter_context(on_exit(lambda code, reason: ledger.exit(code, code_name(code), reason)))
@@ -73,6 +77,7 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     outcome: tuple[ExitCode, str] | None = None
     try:
         res = Resources.create(cfg)  # data, device and checkpoint-dir errors are classified like training's
+        startup.CLOCK.mark("resources")
         resiliency.run(res, train)
         outcome = ExitCode.OK, ""
     except (TrainerExit, Exception) as exc:

@@ -117,7 +117,8 @@ class DataConfig:
     seed: int = 1234
     """Seed of the sample order; the same seed gives the same batches."""
     verify_checksums: bool = True
-    """Verify every shard's sha256 before training (reads the whole dataset once)."""
+    """Verify every shard's sha256 before training (reads the whole dataset once per job: later starts skip the
+    files verified before and unchanged since, recorded in ``<train.run_dir>/data-verified.json``)."""
 
     def validate(self) -> None:
         if not self.path:

@@ -163,6 +163,14 @@ class ResiliencyConfig:
     (NVRx skips timeout checks while watchdog timestamps keep arriving)."""
     progress_watchdog_interval_s: float = 1.0
     """In-process: how often the progress watchdog reports a timestamp to the monitor process."""
+    restore_warmup: bool = True
+    """GPU: while a new process copies its snapshot in (node-local tier), one forward and backward on a dummy batch
+    (discarded) warm the CUDA caching allocator, cuBLAS and the kernels its first real step would otherwise wait
+    for. It runs inside the recovery time the ledger measures; the RNG and data position are restored after it."""
+    last_call_wait_s: float = 0.1
+    """In-process: once a rank reported a fault, how long every rank waits for others to report theirs before it
+    aborts and restarts. Every in-process restart pays it; it only decides which ranks the restart's log line names
+    (which ranks restart does not depend on it). NVRx's default is 1 s; 0 restarts at once."""
     collective_timeout_s: float = 30.0
     """Process-group (collective) timeout. With ``inprocess`` on CPU/gloo it must stay below
     ``soft_timeout_s``: a blocked gloo collective cannot be aborted, only timed out."""
@@ -202,6 +210,11 @@ class ResiliencyConfig:
             "monitor_process_interval_s", "progress_watchdog_interval_s", "collective_timeout_s",
             "preemption_grace_s",
         ))
+        if not 0 <= self.last_call_wait_s < self.soft_timeout_s:
+            raise ConfigError(
+                f"resiliency.last_call_wait_s must be >= 0 and smaller than resiliency.soft_timeout_s "
+                f"({self.soft_timeout_s:g}); got {self.last_call_wait_s:g}"
+            )
         if self.inprocess_max_restarts < 0:
             raise ConfigError(f"resiliency.inprocess_max_restarts must be >= 0; got {self.inprocess_max_restarts}")
         if self.hard_timeout_s <= self.soft_timeout_s:

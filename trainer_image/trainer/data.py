@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,6 +25,10 @@ SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _FIX = "re-run data prep (python -m components.lib.tokendata) to rebuild the dataset"
+VERIFIED_FILE = "data-verified.json"
+"""The trainer keeps it in ``train.run_dir``: the dataset files verified so far in this job (``VerifiedFiles``)."""
+
+log = logging.getLogger(__name__)
 
 
 class ShardError(ValueError):
@@ -50,21 +57,72 @@ def _scan_file(path: Path, dtype: np.dtype) -> tuple[str, int]:
     return digest.hexdigest(), max_id
 
 
+class VerifiedFiles:
+    """The dataset files whose checksums were verified earlier in this job, so a restarted worker does not hash
+    the whole dataset again (the 1B job's restart spent its start-up on it). Kept as JSON in ``marker``, keyed by
+    the dataset directory and the sha256 of its manifest (which holds every file's sha256); a file counts as
+    verified only while its size, modification time and inode are those it had when it was hashed, so a shard
+    rewritten or replaced since is hashed again (and a corrupt one is still exit 3). Bytes that rot in place
+    without any of those changing are not seen after the first verification, as they are not while training."""
+
+    def __init__(self, marker: Path | None, dataset: Path, manifest_bytes: bytes) -> None:
+        self.marker = marker
+        self.key = {"dataset": str(dataset.resolve()), "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+        self.files: dict[str, list[int]] = {}
+        self.hashed: list[str] = []
+        if marker is not None:
+            try:
+                saved = json.loads(marker.read_text(encoding="utf-8"))
+                if isinstance(saved, dict) and all(saved.get(k) == v for k, v in self.key.items()):
+                    self.files = dict(saved.get("files") or {})
+            except (OSError, ValueError):
+                pass  # none yet, or unreadable: verify
+
+    @staticmethod
+    def _identity(path: Path) -> list[int]:
+        st = path.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def covers(self, path: Path) -> bool:
+        return self.files.get(path.name) == self._identity(path)
+
+    def add(self, path: Path) -> None:
+        self.files[path.name] = self._identity(path)
+        self.hashed.append(path.name)
+
+    def save(self) -> None:
+        """Record the files verified (best effort: without the marker the next start verifies again)."""
+        if self.marker is None or not self.hashed:
+            return
+        tmp = self.marker.with_name(f"{self.marker.name}.{os.getpid()}.partial")
+        try:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({**self.key, "files": self.files}, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, self.marker)  # ranks verifying at once write the same content
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("could not record the verified dataset in %s (%s): the next start verifies it again",
+                        self.marker, exc)
+
+
 class ShardedTokens:
     """One split of a token-shard dataset, validated against its manifest and memory-mapped read-only.
 
     ``verify=True`` additionally hashes every shard (and the tokenizer) and checks that every token
-    id is below ``vocab_size``; size, dtype and presence checks always run.
+    id is below ``vocab_size``; size, dtype and presence checks always run. ``verified``: a marker file
+    (``VerifiedFiles``) that lets later starts of the same job skip files verified before and unchanged since.
     """
 
-    def __init__(self, path: str | Path, split: str = "train", verify: bool = True) -> None:
+    def __init__(self, path: str | Path, split: str = "train", verify: bool = True,
+                 verified: str | Path | None = None) -> None:
         self.path = Path(path)
         self.split = split
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
             raise ShardError(f"{manifest_path} not found: no complete dataset at {self.path}; {_FIX}")
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            manifest_bytes = manifest_path.read_bytes()
+            manifest = json.loads(manifest_bytes.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ShardError(f"{manifest_path} is not valid JSON ({err}); {_FIX}") from err
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -97,11 +155,14 @@ class ShardedTokens:
             )
 
         dtype = _DTYPES[dtype_name]
+        started = time.perf_counter()
+        done = VerifiedFiles(Path(verified) if verified else None, self.path, manifest_bytes)
         if verify:
-            self._verify_tokenizer(manifest_path, manifest)
+            self._verify_tokenizer(manifest_path, manifest, done)
         shards: list[np.memmap] = []
         for i, entry in enumerate(entries):
-            shards.append(self._open_shard(manifest_path, f"splits.{split}[{i}]", entry, dtype, vocab_size, verify))
+            shards.append(self._open_shard(manifest_path, f"splits.{split}[{i}]", entry, dtype, vocab_size,
+                                           verify, done))
         total = sum(len(s) for s in shards)
         declared = manifest.get("num_tokens", {}).get(split) if isinstance(manifest.get("num_tokens"), dict) else None
         if declared != total:
@@ -111,8 +172,15 @@ class ShardedTokens:
         self._manifest = manifest
         self._dtype_name = dtype_name
         self.shards: tuple[np.memmap, ...] = tuple(shards)
+        if verify and done.hashed:
+            done.save()
+            log.info("dataset %s (%s): checksums of %d file(s) verified in %.2f s", self.path, split, len(done.hashed),
+                     time.perf_counter() - started)
+        elif verify:
+            log.info("dataset %s (%s): checksums verified earlier in this job (%s), files unchanged since",
+                     self.path, split, done.marker)
 
-    def _verify_tokenizer(self, manifest_path: Path, manifest: dict) -> None:
+    def _verify_tokenizer(self, manifest_path: Path, manifest: dict, done: VerifiedFiles) -> None:
         """Check that the tokenizer file named by the manifest exists and matches its sha256."""
         name = manifest.get("tokenizer")
         if not isinstance(name, str) or Path(name).name != name:
@@ -120,11 +188,15 @@ class ShardedTokens:
         path = self.path / name
         if not path.is_file():
             raise ShardError(f"{path} is missing; {_FIX}")
+        if done.covers(path):
+            return
         if sha256_file(path) != manifest.get("tokenizer_sha256"):
             raise ShardError(f"{path} is corrupt: its sha256 does not match the manifest; {_FIX}")
+        done.add(path)
 
     def _open_shard(
-        self, manifest_path: Path, where: str, entry: object, dtype: np.dtype, vocab_size: int, verify: bool
+        self, manifest_path: Path, where: str, entry: object, dtype: np.dtype, vocab_size: int, verify: bool,
+        done: VerifiedFiles,
     ) -> np.memmap:
         """Validate one manifest shard entry against its file and memory-map it."""
         bad_entry = f"{manifest_path}: {where} must name a shard file in the dataset directory; {_FIX}"
@@ -145,7 +217,7 @@ class ShardedTokens:
                 f"({dtype.name}) = {expected_bytes} (num_bytes={entry.get('num_bytes')!r}): the shard is truncated "
                 f"or was written with another dtype; {_FIX}"
             )
-        if verify:
+        if verify and not done.covers(path):
             sha, max_id = _scan_file(path, dtype)
             if sha != entry.get("sha256"):
                 raise ShardError(f"shard {path} is corrupt: its sha256 does not match the manifest; {_FIX}")
@@ -154,6 +226,7 @@ class ShardedTokens:
                     f"shard {path} holds token id {max_id} >= vocab_size {vocab_size}: wrong dtype or "
                     f"wrong manifest; {_FIX}"
                 )
+            done.add(path)
         return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
 
     @property

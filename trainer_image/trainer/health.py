@@ -193,12 +193,28 @@ def node_checks(local_rank: int, sysfs_root: str | Path = "/sys", nvml: Any | No
 
 
 class NodeHealth(HealthCheck):
-    """All checks as one NVRx ``HealthCheck`` (the Wrapper's ``health_check`` takes one)."""
+    """All checks as one NVRx ``HealthCheck`` (the Wrapper's ``health_check`` takes one).
 
-    def __init__(self, checks: list[HealthCheck]) -> None:
+    The Wrapper calls it before each iteration's function and, after a fault, once more before the restart: an
+    in-process restart would check the node twice within a fraction of a second, and the first iteration right
+    after ``resiliency.run``'s start check. A check on entering an iteration is skipped when the node was checked
+    just before it (``checked_for``: the start check covers iteration 0; the check after a fault in iteration i
+    covers iteration i + 1). The check after a fault always runs."""
+
+    def __init__(self, checks: list[HealthCheck], checked_for: int | None = None) -> None:
         self.checks = checks
+        self.checked_for = checked_for
+        self._entered: set[int] = set()
 
     def __call__(self, state: Any = None) -> Any:
+        iteration = getattr(state, "iteration", None)
+        entering = iteration is not None and iteration not in self._entered
+        if iteration is not None:
+            self._entered.add(iteration)
+        if entering and iteration == self.checked_for:
+            return state  # checked a moment ago
         for check in self.checks:
             check(state)
+        if iteration is not None:
+            self.checked_for = iteration + 1
         return state

@@ -30,7 +30,10 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     Rank 0, after the first productive (completed) step following a restart. ``recovery_s`` is the time
     from the fault (or, when its time is unknown, from the restart) to that step; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
-    the fault's step is unknown).
+    the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
+    went: what came before the start (in-job ``before_start``: fault -> this process's creation; in-process
+    ``detect``, ``abort``, ``wrapper``: fault -> abort -> re-entry of ``train()``), then the start's own phases and
+    their ``total`` (``trainer.startup``).
 ``{"event": "straggler_report", "step", "basis", "threshold", "slowest", "stragglers"}``
     Rank 0, every ``resiliency.straggler_report_every`` steps (``trainer.resiliency.straggler``): ``slowest`` are
     the (up to) three slowest ranks, ``stragglers`` the ranks below the threshold, each
@@ -137,17 +140,27 @@ class Ledger:
         if self.rank == 0:
             self._pending = record
 
-    def on_step_end(self, step: int) -> None:
+    def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
+        """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
+        phases of this (re)start (``{"origin": its wall time, "phases": {...}}``), when measured."""
         if self._pending is None or self.rank != 0:
             return
         restart, self._pending = self._pending, None
         fault = restart["fault"]
         since = fault.get("time") or restart["time"]
         redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault.get("step") is not None else None
+        extra = {}
+        if start is not None:
+            abort = start.get("abort")
+            if abort and since <= abort[0]:
+                before = {"detect": abort[0] - since, "abort": abort[1] - abort[0], "wrapper": start["origin"] - abort[1]}
+            else:
+                before = {"before_start": max(0.0, start["origin"] - since)}
+            extra["phases"] = {**{k: round(v, 3) for k, v in before.items()}, **start["phases"]}
         self.write(
             "recovered", layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),
-            recovery_s=round(time.time() - since, 3), steps_redone=redone,
+            recovery_s=round(time.time() - since, 3), steps_redone=redone, **extra,
         )
 
     def summarize(self, steps: int) -> dict[str, Any] | None:

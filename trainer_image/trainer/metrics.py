@@ -8,6 +8,7 @@ import atexit
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -66,12 +67,14 @@ class TensorBoardEvents:
     step on (the steps a restart redoes would otherwise be drawn twice), and replays the ledger's events from
     that step on, which the purge hid with them."""
 
-    def __init__(self, run_dir: Path, make_writer: Callable[[int | None], Any]) -> None:
+    def __init__(self, run_dir: Path, make_writer: Callable[[int | None], Any],
+                 ledger_offset: int | None = None) -> None:
         self._make_writer = make_writer
         self._writer: Any = None
         self._ledger = run_dir / RECOVERY_FILE
-        # Events of earlier processes are in their own event files; this one starts at the ledger's end.
-        self._offset = self._ledger.stat().st_size if self._ledger.exists() else 0
+        # Events of earlier processes are in their own event files; this one starts at the ledger's end (when this
+        # process started logging metrics: ``ledger_offset``).
+        self._offset = ledger_offset if ledger_offset is not None else ledger_size(run_dir)
 
     def record(self, record: dict[str, Any]) -> None:
         event, step = record.get("event"), record.get("step")
@@ -175,7 +178,13 @@ def straggler_line(record: dict[str, Any]) -> str:
             f"below {record.get('threshold')}: {flagged}")
 
 
-def tensorboard_events(run_dir: str | Path, enabled: bool) -> TensorBoardEvents | NullTensorBoard:
+def ledger_size(run_dir: str | Path) -> int:
+    ledger = Path(run_dir) / RECOVERY_FILE
+    return ledger.stat().st_size if ledger.exists() else 0
+
+
+def tensorboard_events(run_dir: str | Path, enabled: bool,
+                       ledger_offset: int | None = None) -> TensorBoardEvents | NullTensorBoard:
     """TensorBoard events for rank 0 (`enabled`); a `NullTensorBoard` elsewhere or without ``tensorboard``."""
     if not enabled:
         return NullTensorBoard()
@@ -184,12 +193,54 @@ def tensorboard_events(run_dir: str | Path, enabled: bool) -> TensorBoardEvents 
     except ImportError as exc:
         log.warning("no TensorBoard event files (%s): pip install tensorboard for live training curves", exc)
         return NullTensorBoard()
+
     def make_writer(purge_step: int | None) -> Any:
         return SummaryWriter(log_dir=str(run_dir), flush_secs=TB_FLUSH_S, purge_step=purge_step)
 
-    events = TensorBoardEvents(Path(run_dir), make_writer)
+    events = TensorBoardEvents(Path(run_dir), make_writer, ledger_offset)
     atexit.register(events.close)  # what is still queued reaches the file when the process ends normally
     return events
+
+
+class BackgroundTensorBoard:
+    """Rank 0's TensorBoard events, opened in a background thread: importing ``tensorboard`` is not needed before
+    the first step (it takes a fraction of a second, seconds where it finds TensorFlow), and a restarted worker
+    should not wait for it. Records logged meanwhile are queued and written in order once it is open."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self._lock = threading.Lock()
+        self._queued: list[dict[str, Any]] = []
+        self._events: TensorBoardEvents | NullTensorBoard | None = None
+        self._thread = threading.Thread(target=self._open, args=(run_dir, ledger_size(run_dir)),
+                                        name="tensorboard-open", daemon=True)
+        self._thread.start()
+
+    def _open(self, run_dir: Path, ledger_offset: int) -> None:
+        events: TensorBoardEvents | NullTensorBoard = NullTensorBoard()
+        try:
+            events = tensorboard_events(run_dir, True, ledger_offset)
+        except Exception as exc:  # never fail training over its curves
+            log.warning("no TensorBoard event files: %s", exc)
+        with self._lock:
+            for record in self._queued:
+                events.record(record)
+            self._queued, self._events = [], events
+
+    def record(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._events is None:
+                self._queued.append(record)
+                return
+        self._events.record(record)
+
+    def opened(self) -> TensorBoardEvents | NullTensorBoard:
+        """The writer, once open (waits for it)."""
+        self._thread.join()
+        assert self._events is not None
+        return self._events
+
+    def close(self) -> None:
+        self.opened().close()
 
 
 class MetricsLogger:
@@ -200,13 +251,13 @@ class MetricsLogger:
         self.enabled = enabled
         self.echo = echo
         self._file: TextIO | None = None
-        self._tensorboard: TensorBoardEvents | NullTensorBoard = NullTensorBoard()
+        self._tensorboard: BackgroundTensorBoard | NullTensorBoard = NullTensorBoard()
         if enabled:
             path = Path(run_dir) / METRICS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", buffering=1)
             self.path = path
-            self._tensorboard = tensorboard_events(path.parent, enabled)
+            self._tensorboard = BackgroundTensorBoard(path.parent)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self._file:

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import parallel, resiliency
+from trainer import parallel, resiliency, startup
 from trainer.checkpoint import CheckpointManager, committed_steps
 from trainer.config import ConfigError, JobConfig, OptimConfig
-from trainer.data import ShardedTokens, TokenLoader
+from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
@@ -46,6 +46,8 @@ class Resources:
     base_model: BaseModel | None = None
     """``model.from_hf`` (its weights are read only when training starts fresh), or None."""
     started_at: float = field(default_factory=time.time)
+    warm: bool = False
+    """A training step ran in this process: the allocator's cache and the kernels are warm."""
 
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
@@ -56,7 +58,9 @@ class Resources:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         base_model = BaseModel.for_model(cfg.model, env.local_rank)  # model.from_hf: the shape from its config.json
-        dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums)
+        # FT: hashed once per job, not at every worker (re)start: later starts skip the files verified before
+        dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums,
+                                verified=Path(cfg.train.run_dir) / VERIFIED_FILE)
         if base_model is not None:
             base_model.check_data(dataset.path, dataset.vocab_size, cfg.model.vocab_size,
                                   dataset.manifest.get("tokenizer", "tokenizer.json"))
@@ -152,23 +156,28 @@ def train(
     """Run (or resume) training up to ``train.steps``; returns the summary. Restartable in-process."""
     cfg, env, device = res.cfg, res.env, res.device
     ft = ft or resiliency.NULL()  # FT: recovery layers (resiliency.run); all no-ops when called directly
+    startup.CLOCK.entered_train()  # FT: phases of this (re)start, logged at its first step
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
     checkpointer.keepalive = ft.keepalive  # FT: a slow disk during a blocking save is not a hung rank
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
+        startup.CLOCK.mark("process_group")
         model = build_model(cfg, device)
         optimizer = build_optimizer(model, cfg.optim)
         loader = TokenLoader(
             res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size, cfg.data.seed
         )
         progress = TrainProgress()
+        startup.CLOCK.mark("model")
         state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
                  "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
-        restored = checkpointer.load_latest(state)  # FT: memory, then node-local, then disk
+        # FT: memory, then node-local, then disk; a new GPU process warms up while the snapshot is copied in
+        restored = checkpointer.load_latest(state, while_copying=_warmup(res, model))
         if restored is None and res.base_model is not None:
             res.base_model.load_into(model)  # a fresh start from model.from_hf: this rank's shards only
+        startup.CLOCK.mark("restore")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException:
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
@@ -184,6 +193,36 @@ def train(
     # Wrapper hears of the fault (seen on H200: the peer then waited for the soft timeout).
     parallel.destroy_process_group()
     return summary
+
+
+def warm_up_step(model: nn.Module, batch_size: int, seq_len: int, device: torch.device) -> None:
+    """One forward and backward on a dummy batch, gradients dropped: it changes no parameter, optimizer state, RNG
+    stream or data position, only what is warm (the allocator's cache, cuBLAS handles, loaded kernels, FSDP's lazy
+    initialisation)."""
+    tokens = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
+    with torch.enable_grad():  # the restore copies under no_grad
+        model(tokens, tokens).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _warmup(res: Resources, model: nn.Module) -> Any:
+    """``resiliency.restore_warmup``: ``warm_up_step`` while the snapshot is copied in, for a new GPU process (its
+    first real step then finds everything warm); None otherwise. It only reads the parameters the restore writes on
+    its own stream."""
+    cfg, device = res.cfg, res.device
+    if res.warm or device.type != "cuda" or not cfg.resiliency.restore_warmup:
+        return None
+
+    def warm_up() -> None:
+        if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
+            return
+        started = time.perf_counter()
+        warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
+        res.warm = True
+        log.info("warm-up forward and backward (discarded) issued in %.2f s while the snapshot was copied in",
+                 time.perf_counter() - started)
+
+    return warm_up
 
 
 class GarbageCollection:
@@ -259,6 +298,7 @@ def _steps(
         with ft.section("optimizer"):  # FT: local work only, like data
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        res.warm = True
         progress.step = step
         steps_since_log += 1
         last_step = step == cfg.train.steps

@@ -177,6 +177,7 @@ class CheckpointManager:
         disk; otherwise the call returns after staging. Returns True when a checkpoint of ``step`` was taken.
         Raises ``CheckpointStorageError`` when a write failed (e.g. disk full), naming the directory."""
         self._require_bound()
+        self._after_first_step()
         self.policy.tick()
         if self._persist is not None:
             self._poll_persist(blocking=False)  # one tiny collective per step while a write is in flight
@@ -213,6 +214,14 @@ class CheckpointManager:
             self._record_interval(interval, step_s, cost_s)
         return True
 
+    def _after_first_step(self) -> None:
+        """What the first step after a (re)start must not wait for starts at its end (the first ``save`` call): the
+        snapshot slots' reservation and, for background writes, the writer process."""
+        # FT: page-locking the slots holds the CUDA driver for seconds: not during the restore and the first step
+        self.snapshots.start_prepare()
+        if self.cfg.async_save and self.cfg.persist_every > 0:
+            self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
+
     def wait_for_staging(self) -> None:
         """Called before ``optimizer.step()``: blocks until the device-to-host copy of a memory checkpoint has
         finished (CUDA), then hands the slot to the writer when it is to be persisted. Never waits for the disk."""
@@ -228,12 +237,13 @@ class CheckpointManager:
         """This rank's newest complete memory checkpoint, or None."""
         return self.snapshots.newest()
 
-    def load_latest(self, state: dict[str, Any]) -> int | None:
+    def load_latest(self, state: dict[str, Any], while_copying: Callable[[], None] | None = None) -> int | None:
         """Restore the newest checkpoint every rank can load (collective); returns its step, or None when training
         starts fresh. Tiers, nearest first: memory, node-local, persistent. An invalid persistent checkpoint is
         moved aside as ``step-X.corrupt-<reason>`` with an ERROR line and the previous one is tried; a bad
         node-local snapshot is ignored with a WARNING. Raises ``CheckpointError`` when checkpoints exist but none
-        is valid. Without one, ``init_from`` warm-starts."""
+        is valid. Without one, ``init_from`` warm-starts. ``while_copying`` runs while a snapshot (memory or
+        node-local tier) is copied in, before its non-tensor state (RNG, data position) is applied."""
         self._require_bound()
         self._remove_incomplete()
         self._save_bytes = self._estimate_save_bytes(state)
@@ -244,7 +254,7 @@ class CheckpointManager:
         self.restored_from = None
         step = None
         if self.cfg.resume:
-            step = self._load_snapshot(state)
+            step = self._load_snapshot(state, while_copying or (lambda: None))
             if step is None:
                 step = self._load_newest_valid(state)
         if step is None and self.cfg.init_from:
@@ -259,7 +269,8 @@ class CheckpointManager:
         return step
 
     def _prepare_slots(self, state: dict[str, Any]) -> None:
-        """Reserve the snapshot slots in the background now, so the first memory checkpoint is cheap."""
+        """Have the snapshot slots reserved in the background from the end of the first step (the first ``save``
+        call), so the first memory checkpoint is cheap and the restore and the first step run alone."""
         model = [local_piece(v) for v in flatten(state, model_only=True)[0].values()]
         device = next((t.device for t, _ in model if t.is_cuda), torch.device("cpu"))
         self.snapshots.prepare(_predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
@@ -496,7 +507,7 @@ class CheckpointManager:
                     shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
 
-    def _load_snapshot(self, state: dict[str, Any]) -> int | None:
+    def _load_snapshot(self, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
         """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""
         in_process = any(s.buffer is not None for s in self.snapshots.slots)
         held = self.snapshots.discover(lambda: local_tensors(state)[1])
@@ -509,15 +520,16 @@ class CheckpointManager:
                 break
             slot = self.snapshots.slot_for(step)
             assert slot is not None
-            verified = self.snapshots.verify(step)  # FT: the checksum runs while the snapshot is copied in
             live, _ = flatten(state)
-            with torch.no_grad():
-                for key, value in live.items():
-                    dst, piece = local_piece(value)
-                    if key not in slot.views or slot.pieces.get(key, piece) != piece:
-                        raise CheckpointError(f"snapshot has no matching {key}; the model changed")
-                    dst.copy_(slot.views[key], non_blocking=True)
-            problems = [p for p in self._all_gather(verified()) if p]
+            targets = {}
+            for key, value in live.items():
+                dst, piece = local_piece(value)
+                if key not in slot.views or slot.pieces.get(key, piece) != piece:
+                    raise CheckpointError(f"snapshot has no matching {key}; the model changed")
+                targets[key] = dst
+            with torch.no_grad():  # FT: verified while copied in (on the GPU: page-locked in chunks, checked there)
+                problem = self.snapshots.restore(step, targets, while_copying)
+            problems = [p for p in self._all_gather(problem) if p]
             if problems:  # the tensors copied so far are overwritten by whatever is loaded next
                 log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
                 continue

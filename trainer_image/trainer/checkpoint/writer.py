@@ -5,6 +5,7 @@ digests, or the error) through a small shared-memory buffer. It never raises."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -160,6 +161,13 @@ def write_shard(data_path: str, nbytes: int, layout: Layout, payload: dict[str, 
     put_report(report, result)
 
 
+def writer_ready() -> None:
+    """The request that starts the writer process ahead of the first write (``Writer.start``): by the time it runs,
+    the process has imported torch, NVRx and this module; from now on it survives a preemption's SIGTERM and exits
+    when its trainer dies."""
+    _exit_when_orphaned()
+
+
 def put_report(report: torch.Tensor, result: dict[str, Any]) -> None:
     data = json.dumps(result).encode()
     if len(data) > REPORT_BYTES - 8:
@@ -184,6 +192,13 @@ class Writer:
         self._queue: AsyncCallsQueue | None = None
         self._report = torch.zeros(REPORT_BYTES, dtype=torch.uint8).share_memory_()
         self.busy = False
+
+    def start(self) -> None:
+        """Start the background process now (a collective-free no-op request), so the first persistent write does
+        not wait seconds for it to spawn and import torch while its snapshot slot stays locked. Idempotent."""
+        if self._queue is None:
+            self._queue = AsyncCallsQueue(persistent=True)
+            self._queue.schedule_async_request(AsyncRequest(writer_ready, (), []))
 
     def submit(self, data_path: Path, nbytes: int, layout: Layout, payload: dict[str, Any], path: Path,
                fault: str, inline: bool) -> None:
@@ -226,6 +241,9 @@ class Writer:
         if self._queue is None:
             return
         queue, self._queue = self._queue, None
+        if graceful and not self.busy:
+            with contextlib.suppress(Exception):  # the start request, if done: then the process is idle
+                queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
         caller = queue.persistent_caller
         if caller is None or caller.process is None:
             return

@@ -1,0 +1,77 @@
+"""The phases of a (re)start (``trainer.startup``) and how the ledger reports them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from testlib import REPO
+from trainer import startup
+from trainer.ledger import Ledger, read
+
+
+class FakeTime:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeTime(1000.0)
+    monkeypatch.setattr(startup.time, "time", fake)
+    return fake
+
+
+def test_phases_of_a_new_process_then_of_an_in_process_restart(clock):
+    start = startup.StartClock(origin=998.0)  # the process was created 2 s ago
+    for phase, seconds in (("import", 0.0), ("resources", 0.5), ("layers", 0.1)):
+        clock.now += seconds
+        start.mark(phase)
+    clock.now += 0.4
+    start.entered_train()  # ends the wrapper phase
+    for phase, seconds in (("process_group", 0.2), ("model", 0.3), ("restore", 1.0), ("first_step", 0.5)):
+        clock.now += seconds
+        start.mark(phase)
+    assert start.take() == {"import": 2.0, "resources": 0.5, "layers": 0.1, "wrapper": 0.4, "process_group": 0.2,
+                            "model": 0.3, "restore": 1.0, "first_step": 0.5, "total": 5.0}
+    assert start.take() is None and not start.reentry, "one report per start"
+
+    clock.now += 30.0  # training, a fault, NVRx's restart machinery
+    start.entered_train()
+    for phase, seconds in (("process_group", 0.1), ("model", 0.2), ("restore", 0.3), ("first_step", 0.4)):
+        clock.now += seconds
+        start.mark(phase)
+    assert start.reentry and start.origin == pytest.approx(1033.0)
+    assert start.take() == {"process_group": 0.1, "model": 0.2, "restore": 0.3, "first_step": 0.4, "total": 1.0}
+
+
+def test_process_start_time_is_read_from_proc():
+    """In a fresh interpreter, the process's creation lies before the first line runs, by at most its start-up."""
+    code = ("import time; now = time.time(); from trainer.startup import process_start_time; "
+            "print(now - process_start_time())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                         env={"PYTHONPATH": f"{REPO / 'trainer_image'}"}).stdout
+    assert -0.02 <= float(out) < 10.0, out
+
+
+def test_recovered_record_splits_the_recovery_time_into_phases(tmp_path, monkeypatch):
+    fake = FakeTime(2000.0)
+    monkeypatch.setattr("trainer.ledger.time.time", fake)
+    Ledger(tmp_path, rank=1).fault("sigkill", 7)  # at 2000.0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    ledger = Ledger(tmp_path, rank=0, world_size=2)  # the respawned worker, created 1.5 s after the fault
+    fake.now = 2004.0
+    ledger.on_train_start(iteration=0, resumed_step=6, tier="node-local")
+    fake.now = 2005.0
+    phases = {"import": 1.5, "resources": 0.5, "wrapper": 0.3, "restore": 0.7, "first_step": 0.5, "total": 3.5}
+    ledger.on_step_end(7, {"origin": 2001.5, "phases": phases})
+    ledger.on_step_end(8, None)
+    (recovered,) = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "recovered"]
+    assert recovered["recovery_s"] == 5.0
+    assert recovered["phases"] == {"before_start": 1.5, **phases}
+    assert recovered["phases"]["before_start"] + recovered["phases"]["total"] == recovered["recovery_s"]
+    json.dumps(recovered)  # plain JSON for figures.py

@@ -1,0 +1,125 @@
+"""Where a (re)start's time goes: from the process's creation, or an in-process re-entry of ``train()``, to the end
+of its first step, in phases marked by the code that ends them. Reported once per start as one log line on every
+rank (``start phases (s): ...``) and, on rank 0 after a fault, in the ledger's ``recovered`` record.
+
+Phases of a new process, in order (each ends where the next begins):
+
+- ``import``: interpreter start, argument parsing and module imports (from the process's creation, read from
+  ``/proc``);
+- ``resources``: device and CUDA context, dataset, metrics and checkpoint manager (``Resources.create``);
+- ``layers``: recovery ledger, node health checks, heartbeat client (``resiliency.Layers``);
+- ``wrapper``: the in-process Wrapper's stores and monitor process, and the heartbeat connection, until
+  ``train()`` is entered;
+- ``process_group``: the default process group and the checkpoint manager's own;
+- ``model``: model build and sharding, optimizer, data loader;
+- ``restore``: ``load_latest`` (whichever tier it reads);
+- ``first_step``: to the end of the first training step after it (the ledger's "first productive step").
+
+An in-process restart begins again at ``train()``'s entry (``process_group`` ... ``first_step``). The ledger adds
+what came before the start, so the phases of a ``recovered`` record add up to its ``recovery_s``: in-job,
+``before_start`` (the launcher's detection, the stop of the other workers, the rendezvous, the new process);
+in-process, ``detect`` (fault -> this rank's abort begins: NVRx's monitor thread hears of it and waits
+``resiliency.last_call_wait_s``), ``abort`` (NCCL abort, process groups destroyed) and ``wrapper`` (health check,
+barriers, garbage collection, until ``train()`` is entered again).
+
+Standard library only: imported before torch so the import phase can be measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "first_step")
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process was created (10 ms resolution, from ``/proc``); now when unreadable."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the command name may contain spaces
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 (starttime), counted after ')'
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class StartClock:
+    """Phases of this process's current start; one per process (``CLOCK``)."""
+
+    def __init__(self, origin: float | None = None) -> None:
+        self.origin = process_start_time() if origin is None else origin
+        """When this start began: the process's creation, or the in-process re-entry of ``train()``."""
+        self._last = self.origin
+        self._phases: dict[str, float] = {}
+        self._entered_train = False
+        self.reentry = False
+        """This start is an in-process restart (``train()`` entered again in the same process)."""
+        self.abort: tuple[float, float] | None = None
+        """When the in-process layer's abort began and ended, before this restart (wall times)."""
+
+    def mark(self, phase: str) -> None:
+        """The phase ``phase`` ends now (a phase marked twice adds up)."""
+        now = time.time()
+        self._phases[phase] = self._phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def entered_train(self) -> None:
+        """``train()`` begins: ends the ``wrapper`` phase of a new process; an in-process restart's start begins."""
+        if self._entered_train:
+            self.origin = self._last = time.time()
+            self._phases, self.reentry = {}, True
+        else:
+            self.mark("wrapper")
+        self._entered_train = True
+
+    def aborted(self, began: float, ended: float) -> None:
+        """The in-process layer aborted this rank's attempt (NVRx's ``abort``) from ``began`` to ``ended``."""
+        self.abort = (began, ended)
+
+    def take(self) -> dict[str, float] | None:
+        """This start's phases in seconds (and ``total``) once, at the end of its first step; None afterwards."""
+        if not self._phases:
+            return None
+        phases = {name: round(seconds, 3) for name, seconds in self._phases.items()}
+        phases["total"] = round(self._last - self.origin, 3)
+        self._phases = {}
+        return phases
+
+
+CLOCK = StartClock()
+
+
+def warm_cuda(device: str, local_rank: int) -> None:
+    """Import torch, then create this rank's CUDA context in a background thread while the main thread imports the
+    rest (the trainer, FSDP, NVRx): the context is created inside a tensor allocation, which releases the GIL.
+    ``device``: ``train.device``; nothing happens for ``cpu``, or without a GPU for this rank (``select_device``
+    then reports it)."""
+    import threading
+
+    import torch
+
+    if device == "cpu":
+        return
+
+    def create() -> None:
+        try:
+            if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+                torch.empty(1, device=torch.device("cuda", local_rank))
+        except Exception:  # noqa: BLE001 - the main thread's device selection reports any problem
+            pass
+
+    threading.Thread(target=create, name="cuda-context", daemon=True).start()
+
+
+def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tuple[float, float] | None) -> None:
+    """The one log line of a start: each phase, then the total."""
+    parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items() if name != "total")
+    since = "the in-process re-entry of train()" if reentry else "process start"
+    before = f" (the in-process abort before it took {abort[1] - abort[0]:.2f} s)" if reentry and abort else ""
+    log.info("start phases (s): %s; %.2f s from %s to the end of the first step%s", parts, phases["total"], since,
+             before)
