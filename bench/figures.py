@@ -5,6 +5,10 @@ and MFU over the logged steps after ``--skip`` warm-up steps (compilation, alloc
 ``python bench/figures.py recovery RUN_DIR``: every ``recovered`` record of the recovery ledger (layer, fault,
 seconds from the fault to the first productive step, steps redone, and where those seconds went: ``phases``, see
 ``trainer/startup.py``) and the ledger's goodput summary.
+``python bench/figures.py goodput RUN_DIR --interval N``: goodput counted strictly from ``metrics.jsonl`` (a run logged
+with ``train.log_every=1``): the fault-free step time (median of every logged step) x the run's steps / the wall time
+from the first step's start to the last step's end; beside it the ledger's figure, start-up and the final save apart,
+and the cost of a memory checkpoint (the step after each snapshot step, where its staging waits, against the median).
 ``python bench/figures.py starts RUN_DIR [--rank 0]``: every start of that rank (the first, each in-process and
 in-job restart) with its phases, from the ``start phases`` lines of ``RUN_DIR/logs/trainer-rank<R>.log``.
 """
@@ -66,6 +70,39 @@ def recovery(run_dir: Path) -> None:
               "productive_s": s.get("productive_s"), "steps": s.get("steps"), "restarts": s.get("by_layer")})
 
 
+def goodput(run_dir: Path, interval: int) -> None:
+    records = read(run_dir / "metrics.jsonl")
+    steps = [r for r in records if r.get("event") == "step"]
+    if not steps:
+        sys.exit(f"{run_dir}: no step records")
+    final = max(r["step"] for r in steps)
+    median = statistics.median(r["step_time_s"] for r in steps)
+    first = steps[0]
+    first_start = first["time"] - first["step_time_s"]
+    last_end = max(r["time"] for r in steps if r["step"] == final)
+    wall = last_end - first_start
+    # A snapshot taken after step S (S % interval == 0) is waited for before step S+1's optimizer step: its cost
+    # lands in the step time logged for S+1. Steps right after a (re)start are left out (warm-up, not snapshots).
+    restarts = {r.get("step", 0) for r in records if r.get("event") in ("start", "resume")}
+    after = [r["step_time_s"] for r in steps
+             if interval and r["step"] % interval == 1 and r["step"] - 1 not in restarts and r["step"] > interval]
+    summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
+    ledger = [r for r in read(run_dir / "recovery.jsonl") if r.get("event") == "summary"]
+    log = run_dir / "logs" / "trainer-rank0.log"
+    first_start_line = next((START_LINE.match(line) for line in
+                             (log.read_text(errors="replace").splitlines() if log.is_file() else [])
+                             if START_LINE.match(line)), None)
+    emit({"figure": "goodput_strict", "run": run_dir.name, "steps": final, "fault_free_step_s": round(median, 4),
+          "wall_first_step_to_last_s": round(wall, 2), "goodput_strict": round(median * final / wall, 4),
+          "goodput_ledger": ledger[-1].get("goodput") if ledger else None,
+          "startup_s": float(first_start_line[3]) if first_start_line else None,  # process start -> first step's end
+          "final_save_s": round(summary["time"] - last_end, 2) if summary else None,
+          "snapshot_steps": len(after),
+          "snapshot_cost_s": round(statistics.mean(after) - median, 4) if after else None,
+          "snapshot_cost_over_interval": round((statistics.mean(after) - median) / (median * interval), 4)
+          if after and interval else None})
+
+
 START_LINE = re.compile(r"^(\S+ \S+) .*start phases \(s\): (.*); ([\d.]+) s from (process start|the in-process re-entry)")
 
 
@@ -85,16 +122,19 @@ def starts(run_dir: Path, rank: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("throughput", "recovery", "starts"))
+    parser.add_argument("kind", choices=("throughput", "recovery", "starts", "goodput"))
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--until", type=int, default=None, help="throughput: ignore step records after this step")
     parser.add_argument("--rank", type=int, default=0, help="starts: whose log")
+    parser.add_argument("--interval", type=int, default=10, help="goodput: the run's checkpoint.interval")
     args = parser.parse_args()
     if args.kind == "throughput":
         throughput(args.run_dir, args.skip, args.until)
     elif args.kind == "starts":
         starts(args.run_dir, args.rank)
+    elif args.kind == "goodput":
+        goodput(args.run_dir, args.interval)
     else:
         recovery(args.run_dir)
 

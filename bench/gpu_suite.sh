@@ -78,18 +78,21 @@ part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) rec
   rm -rf "$CKPT_ROOT/recovery"
 }
 
-part_goodput() {
+part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and one SIGKILL (in-job)
   ensure_data
-  # ~8 minutes of steps at ~0.4 s (eager); a memory checkpoint every 10 steps, every 20th of them persisted
-  # (disk every 200 steps); an exception (in-process) and a SIGKILL (in-job) mid-way between memory checkpoints,
-  # a third and two thirds into the run. The last rank takes the exception, rank 0 the SIGKILL.
-  local last=$(( NGPU - 1 )) steps="${GOODPUT_STEPS:-1230}"
+  # 1,200 steps of 1b eager at ~0.31 s; a memory snapshot every 10 steps, every 20th of them persisted (disk every
+  # 200 steps); the exception at step 405 on the last rank, the SIGKILL at step 805 on rank 0: mid-way between
+  # snapshots, a third and two thirds into the run. Every step logged (the strict goodput needs each step's time).
+  local last=$(( NGPU - 1 )) steps="${GOODPUT_STEPS:-1200}"
   local exc=$(( steps / 3 / 10 * 10 + 5 )) kill=$(( 2 * steps / 3 / 10 * 10 + 5 ))
   faulty "goodput" "$NGPU" --train.steps="$steps" --checkpoint.interval=10 \
     --checkpoint.persist_every=20 --resiliency.faults="$last:$exc:exception,0:$kill:sigkill"
+  python3 bench/figures.py goodput "$OUT/goodput" --interval 10 | fig  # strict goodput, start-up, final save
   python3 bench/figures.py recovery "$OUT/goodput" | fig
-  grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed" \
-    "$OUT/goodput.log" | cut -c1-220 > "$OUT/goodput-events.log"
+  python3 bench/figures.py starts "$OUT/goodput" | fig
+  grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed|skipped|behind|caught up|start phases" \
+    "$OUT/goodput.log" | cut -c1-240 > "$OUT/goodput-events.log"
+  tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log  # the whole run directory, as one file
   rm -rf "$CKPT_ROOT/goodput"
 }
 
