@@ -13,7 +13,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer import loss
 from trainer.config import TrainConfig
+from trainer.onerank import OneRank
 
 
 @dataclass(frozen=True)
@@ -150,28 +152,35 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 units: each block, the
-    embedding, [final norm, output], and the root.
+    """The execution choices of ``[train]``: the RoPE kernel and the loss, activation checkpointing and
+    ``torch.compile`` per block (optional), then FSDP2 units: each block, the embedding, [final norm, output],
+    and the root; or, with one rank, ``OneRank`` instead of FSDP2 (``train.single_rank``).
 
     Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
-    instead of running with the root's. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
-    keeps the checkpoint's DTensor layout), but by default (``train.reshard_after_forward=auto``) nothing is
-    resharded after the forward: the bf16 copies are kept for the backward rather than cast again.
+    instead of running with the root's. If FSDP2 runs with one rank (``train.single_rank=fsdp``, or activation
+    checkpointing), by default (``train.reshard_after_forward=auto``) nothing is resharded after the forward:
+    the bf16 copies are kept for the backward rather than cast again.
     """
     policy = mixed_precision(cfg, device)
+    direct = dist.get_world_size() == 1 and (
+        cfg.single_rank == "direct" or (cfg.single_rank == "auto" and not cfg.activation_checkpointing))
     reshard = {"auto": dist.get_world_size() > 1, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
+        block.attention.rope_kernel = cfg.rope_kernel
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
             block = torch.compile(block)
-        # The last block's parameters are needed again right away by the backward; keep them.
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
+        if not direct:  # the last block's parameters are needed again right away by the backward; keep them
+            fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
-    if cfg.compile and cfg.compile_loss:
+    compile_loss = cfg.compile and cfg.compile_loss
+    if compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
-        model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
+    model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
+    if direct:
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device)
     fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
     fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
     fully_shard(model, mp_policy=policy)
