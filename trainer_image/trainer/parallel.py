@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer import loss
 from trainer.config import TrainConfig
-from trainer.onerank import OneRank
+from trainer.onerank import OneRank, clip_grad_norm_  # noqa: F401  (re-exported for the loop)
 
 
 @dataclass(frozen=True)
@@ -151,10 +151,11 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
     """The execution choices of ``[train]``: the RoPE kernel and the loss, activation checkpointing and
     ``torch.compile`` per block (optional), then FSDP2 units: each block, the embedding, [final norm, output],
-    and the root; or, with one rank, ``OneRank`` instead of FSDP2 (``train.single_rank``).
+    and the root; or, with one rank, ``OneRank`` instead of FSDP2 (``train.single_rank``), which clips the
+    gradients at ``grad_clip`` as it converts them at the end of each backward (``clip_grad_norm_``).
 
     Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
     instead of running with the root's. If FSDP2 runs with one rank (``train.single_rank=fsdp``, or activation
@@ -180,7 +181,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.M
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
     model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
     if direct:
-        return OneRank.apply(model, policy.param_dtype or torch.float32, device)
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip)
     fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
     fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
     fully_shard(model, mp_policy=policy)
