@@ -147,10 +147,11 @@ class TrainConfig:
     ``auto``: only with more than one rank (with one there is nothing to save); ``always``; ``never``."""
     single_rank: str = "auto"
     """With one rank: ``direct`` keeps the parameters as the one-rank DTensors FSDP2 would make (the same checkpoint
-    layout, optimizer and clipping) but runs no FSDP2: each forward casts them once to the compute dtype and autograd
-    returns fp32 gradients, without FSDP2's all-gather and reduce-scatter copies (``trainer/onerank.py``).
-    ``fsdp``: FSDP2 as with more ranks. ``auto``: ``direct`` unless ``activation_checkpointing`` is on (its
-    recomputation in the backward needs FSDP2's parameter handling). Ignored with more than one rank."""
+    layout and optimizer) but runs no FSDP2: each forward copies them once to the compute dtype, and when the
+    backward ends the gradients become fp32 in one pass, clipped on the way (``trainer/onerank.py``): the values of
+    FSDP2 on one rank, without its all-gather and reduce-scatter copies. ``fsdp``: FSDP2 as with more ranks.
+    ``auto``: ``direct`` unless ``activation_checkpointing`` is on (its recomputation in the backward needs FSDP2's
+    parameter handling). Ignored with more than one rank."""
     chunked_loss: bool = True
     """Cross-entropy in row chunks that writes its gradient over the logits (``trainer/loss.py``): no second
     ``[tokens, vocab]`` buffer for the gradient and, in eager mode, no fp32 copy of the logits. Same fp32 math."""
