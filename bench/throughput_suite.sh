@@ -5,7 +5,8 @@
 #   source bench/gpu_env.sh && OUT=$OUT bash bench/throughput_suite.sh headline loo table
 #
 # PARTs, in the order given:
-#   headline  interleaved, one process each, STEPS (40) steps: ours-compiled (trainer_image/entrypoint.sh:
+#   headline  torchtitan's flavour checked against the trainer's (anchor --check: parameter count, FFN width),
+#             then interleaved, one process each, STEPS (40) steps: ours-compiled (trainer_image/entrypoint.sh:
 #             ft_launcher heartbeats, in-process Wrapper, every recovery layer on; the 1b TOML's defaults: compile
 #             on, log_every 10), titan-compiled (bench/anchor_torchtitan.py), ours-eager, titan-eager
 #   loo       leave-one-out, one process per mode (bench/trainer_run.py --variants, recovery layers on, no
@@ -113,6 +114,9 @@ titan() {  # label est_s [anchor args]: torchtitan on the same shape and setting
 }
 
 part_headline() {
+  say "torchtitan flavour check (no training)"
+  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout 60 python3 bench/anchor_torchtitan.py \
+    --config "$CONFIG" --check 2>>"$LOG" | fig
   production ours-compiled 80 --train.compile=true
   titan titan-compiled 100 --compile
   production ours-eager 45 --train.compile=false
