@@ -76,7 +76,10 @@ def relaunch(args: argparse.Namespace) -> int:
 def trainer_config(config: str, overrides: list[str]) -> Any:
     from trainer.config import load_config
 
-    return load_config(config, ["--data.path=synthetic", *overrides])
+    cfg = load_config(config, ["--data.path=synthetic", *overrides])
+    if cfg.model.vocab_size == 0:  # the trainer takes it from its dataset; the anchor has none
+        raise SystemExit(f"{config}: model.vocab_size is 0 (from the dataset); pass --model.vocab_size=N")
+    return cfg
 
 
 def titan_version() -> tuple[int, int]:
