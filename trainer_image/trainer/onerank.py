@@ -110,17 +110,24 @@ class OneRank:
         self.last_norm = None
         fresh = len(pending) == 1 and all(m.grad is None for m in self.masters)
         for copies in pending:
-            pairs = [(m, c.grad) for m, c in zip(self.masters, copies) if c.grad is not None]
+            grads: list[torch.Tensor | None] = [c.grad for c in copies]
+            copies.clear()  # the compute-dtype copies go now; each gradient goes once converted
+            present = [g for g in grads if g is not None]
             coef = None
-            if fresh and self.grad_clip > 0 and pairs:
-                norms = torch._foreach_norm([g for _, g in pairs], 2.0, dtype=torch.float32)
+            if fresh and self.grad_clip > 0 and present:
+                norms = torch._foreach_norm(present, 2.0, dtype=torch.float32)
                 self.last_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
                 coef = torch.clamp(self.grad_clip / (self.last_norm + 1e-6), max=1.0).reshape(1)
-            for master, grad in pairs:
+            del present
+            for i, master in enumerate(self.masters):
+                grad, grads[i] = grads[i], None
+                if grad is None:
+                    continue
                 if coef is not None:  # a 1-element tensor: fp32 arithmetic on the upcast values, one pass
                     grad32 = torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
                 else:
                     grad32 = grad.to(torch.float32)
+                del grad
                 if master.grad is None:
                     master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
                 else:
