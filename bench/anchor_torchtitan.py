@@ -1,20 +1,33 @@
 """torchtitan on exactly the trainer's model shape and settings: the anchor our throughput is compared with.
 
     python bench/anchor_torchtitan.py --config 1b [--nproc N] [--steps 40] [--skip 10] [--compile|--no-compile]
-        [--attn flex|varlen] [--cuda-graphs|--no-cuda-graphs] [--out DIR] [--section.key=value ...]
+        [--check] [--out DIR] [--label NAME] [--section.key=value ...]
 
 Reads the trainer's own config (``--config`` flavour or TOML plus ``--section.key=value`` overrides) and builds
-torchtitan's (pinned: 0.3.0) ``Trainer`` from it: a Llama-3 flavour with the trainer's dimensions is registered in
-``torchtitan.models.llama3.llama3_configs`` at run time (no torchtitan code is copied here); sequence length,
-micro-batch, activation checkpointing (full, per block), AdamW hyper-parameters and weight-decay groups, warm-up,
-gradient clipping, bf16 parameters with fp32 reductions and fp32 master weights are the trainer's. Everything
-else is torchtitan's default for its llama3 configs: fused AdamW, chunked cross-entropy (no full logits),
-FlexAttention (the trainer uses SDPA's flash kernel), CUDA graphs around forward+backward, GC every 50 steps.
+torchtitan's ``Trainer`` from it, through torchtitan's own API (no torchtitan code is copied here):
+
+- **torchtitan 0.2** (0.2.2 runs on PyTorch 2.11, the GPU machine's): a ``TrainSpec`` registered at run time with a
+  Llama-3 flavour of the trainer's dimensions, written the way torchtitan writes its flavours (the 1b: dim 2048,
+  16 layers, 32/8 heads, ``ffn_dim_multiplier`` 1.5, ``multiple_of`` 256, ``rope_theta`` 500,000, vocabulary
+  128,256; RoPE without Llama-3.1 frequency scaling, as the trainer). Sequence length, micro-batch, activation
+  checkpointing, AdamW hyper-parameters (fused, as torchtitan's default), warm-up and clipping are the trainer's;
+  torchtitan 0.2 decays every parameter (no weight-decay groups). On one GPU torchtitan applies no FSDP: fp32
+  parameters under ``torch.autocast(bf16)``; compile per block and the loss (``compile.components``).
+- **torchtitan 0.3** (needs a newer PyTorch): ``Trainer.Config`` with its defaults for llama3 (FlexAttention,
+  chunked cross-entropy, CUDA graphs) and the trainer's weight-decay groups.
+
 Tokens are synthetic (uniform over the vocabulary, one document per sample): speed does not depend on them.
 
-With ``--nproc N`` the script starts itself under ``torchrun --standalone``. Rank 0 prints one JSON line: median
-tokens/s over the 10-step windows after ``--skip`` (each window ends with a device sync, as the trainer's log
-steps do), peak memory (reserved and allocated, GiB), versions, and the settings used.
+Timing, as the trainer's runner (``bench/trainer_run.py``) does: a CUDA event at the start of every step
+(``figures.StepClock``, no extra host sync) gives every step's time; the JSON line's ``tokens_per_s_steps`` is the
+median over the steps after ``--skip``. torchtitan logs (and syncs) every 10 steps, as the trainer's ``1b`` does;
+``tokens_per_s`` is the median of those 10-step windows. Peak memory: ``max_memory_reserved`` / ``_allocated``
+read after every step (torchtitan resets the peaks when it logs).
+
+``--check`` builds everything but the ``Trainer`` (config, flavour, model on the meta device, a batch) and
+compares the parameter count with the trainer's: it runs on a CPU (torchtitan 0.2).
+
+With ``--nproc N`` the script starts itself under ``torchrun --standalone``. Rank 0 prints one JSON line.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
                         help="torch.compile per block and the loss; default: the trainer config's train.compile")
     parser.add_argument("--attn", default="flex", choices=("flex", "varlen"), help="torchtitan attention backend")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--check", action="store_true", help="no training: build config, model (meta) and a batch")
     parser.add_argument("--out", default="runs/anchor", help="torchtitan's dump folder")
     parser.add_argument("--label", default="")
     argv = json.loads(os.environ[ANCHOR_ARGS]) if ANCHOR_ARGS in os.environ else sys.argv[1:]
@@ -62,7 +76,10 @@ def relaunch(args: argparse.Namespace) -> int:
 def trainer_config(config: str, overrides: list[str]) -> Any:
     from trainer.config import load_config
 
-    return load_config(config, ["--data.path=synthetic", *overrides])
+    cfg = load_config(config, ["--data.path=synthetic", *overrides])
+    if cfg.model.vocab_size == 0:  # the trainer takes it from its dataset; the anchor has none
+        raise SystemExit(f"{config}: model.vocab_size is 0 (from the dataset); pass --model.vocab_size=N")
+    return cfg
 
 
 def titan_version() -> tuple[int, int]:
@@ -210,6 +227,21 @@ def _v03_data_classes() -> tuple[type, type]:
 
 
 # --- torchtitan 0.2: JobConfig, TrainSpec registry, model args --------------------------------------------------
+LLAMA3_FFN = ((1.5, 256), (1.3, 1024), (1.3, 4096))  # Llama 3.2 1B/3B, 3 8B, 3 70B: (ffn_dim_multiplier, multiple_of)
+_REGISTERED: set[str] = set()
+
+
+def llama3_ffn(dim: int, ffn_dim: int) -> tuple[float, int]:
+    """(ffn_dim_multiplier, multiple_of) of a published Llama 3 flavour that gives ``ffn_dim`` through torchtitan's
+    formula; else a pair that gives it exactly."""
+    base = int(2 * 4 * dim / 3)  # torchtitan's SwiGLU width before ffn_dim_multiplier and multiple_of
+    for multiplier, multiple_of in LLAMA3_FFN:
+        hidden = int(multiplier * base)
+        if multiple_of * ((hidden + multiple_of - 1) // multiple_of) == ffn_dim:
+            return multiplier, multiple_of
+    return ffn_dim / base, ffn_dim
+
+
 def build_v02(args: argparse.Namespace, cfg: Any) -> tuple[Any, bool]:
     """(JobConfig, compile on) for torchtitan 0.2, with a TrainSpec registered for the trainer's flavour."""
     from torchtitan.components.dataloader import BaseDataLoader
@@ -228,17 +260,19 @@ def build_v02(args: argparse.Namespace, cfg: Any) -> tuple[Any, bool]:
         return loader
 
     m = cfg.model
-    base = int(2 * 4 * m.dim / 3)  # torchtitan's SwiGLU width before ffn_dim_multiplier and multiple_of
+    multiplier, multiple_of = llama3_ffn(m.dim, m.ffn_dim)
     model_args = TransformerModelArgs(
         dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
-        multiple_of=m.ffn_dim, ffn_dim_multiplier=m.ffn_dim / base, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+        multiple_of=multiple_of, ffn_dim_multiplier=multiplier, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
         rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),  # factor 1: no Llama-3.1 frequency scaling
     )
     name, flavour = "resilient_train", m.name
-    register_train_spec(name, dataclasses.replace(
-        llama3.get_train_spec(), model_args={flavour: model_args}, build_tokenizer_fn=None,
-        build_dataloader_fn=dataloader, build_validator_fn=None,
-    ))
+    if name not in _REGISTERED:  # the registry refuses a second registration of the name
+        register_train_spec(name, dataclasses.replace(
+            llama3.get_train_spec(), model_args={flavour: model_args}, build_tokenizer_fn=None,
+            build_dataloader_fn=dataloader, build_validator_fn=None, state_dict_adapter=None,
+        ))
+        _REGISTERED.add(name)
     o = cfg.optim
     compile_on = cfg.train.compile if args.compile is None else args.compile
     job = JobConfig()
@@ -263,6 +297,7 @@ def build_v02(args: argparse.Namespace, cfg: Any) -> tuple[Any, bool]:
 def run_worker(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     import torch
     import torchtitan
+    from figures import StepClock, step_figure
     from torchtitan.tools.logging import init_logger
 
     if titan_version() >= (0, 3):
@@ -270,14 +305,24 @@ def run_worker(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     else:
         from torchtitan.train import Trainer
 
+    clock = StepClock()
     marks: list[tuple[int, float]] = []
+    peaks = {"mem_reserved_gib": 0.0, "mem_allocated_gib": 0.0}
 
     class TimedTrainer(Trainer):
-        """torchtitan's Trainer, plus a host clock read after a device sync every ``WINDOW`` steps (the steps
-        on which torchtitan's own metrics already sync for the loss)."""
+        """torchtitan's Trainer, plus an event at the start of every step, the host clock after a device sync
+        every ``WINDOW`` steps (the steps on which torchtitan's own metrics already sync for the loss), and the
+        peak memory after every step."""
 
         def train_step(self, data_iterator: Any) -> None:
+            clock.mark(self.step)
             super().train_step(data_iterator)
+            if self.step == self.job_config.training.steps:
+                clock.mark(self.step + 1)
+            if not torch.cuda.is_available():
+                return
+            peaks["mem_reserved_gib"] = max(peaks["mem_reserved_gib"], torch.cuda.max_memory_reserved() / 2**30)
+            peaks["mem_allocated_gib"] = max(peaks["mem_allocated_gib"], torch.cuda.max_memory_allocated() / 2**30)
             if self.step % WINDOW == 0:
                 torch.cuda.synchronize()
                 marks.append((self.step, time.perf_counter()))
@@ -295,7 +340,6 @@ def run_worker(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     windows = [(s1, tokens_per_step * (s1 - s0) / (t1 - t0)) for (s0, t0), (s1, t1) in zip(marks, marks[1:])
                if s0 >= args.skip]
     tps = statistics.median(v for _, v in windows) if windows else None
-    device = torch.device("cuda", torch.cuda.current_device())
     result = {
         "figure": "anchor", "framework": "torchtitan", "version": torchtitan.__version__,
         "torch": torch.__version__, "label": args.label or f"torchtitan-{cfg.model.name}",
@@ -305,16 +349,51 @@ def run_worker(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         "cuda_graphs": args.cuda_graphs if titan_version() >= (0, 3) else False,
         "tokens_per_s": round(tps) if tps else None, "tokens_per_s_per_gpu": round(tps / world) if tps else None,
         "windows": {s: round(v) for s, v in windows},
-        "mem_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
-        "mem_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+        **{k: round(v, 2) for k, v in peaks.items()},
+        **step_figure(clock.seconds(), tokens_per_step, args.skip, args.steps),
     }
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return result
 
 
+def check_v02(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """Everything ``run_worker`` builds before torchtitan's ``Trainer`` (which needs a GPU): the job config, the
+    registered flavour, the model on the meta device, the data; the parameter count against the trainer's."""
+    import torch
+    import torchtitan
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from trainer.model import count_params
+
+    cfg = trainer_config(args.config, overrides)
+    job, compile_on = build_v02(args, cfg)
+    spec = get_train_spec(job.model.name)
+    model_args = spec.model_args[job.model.flavor]
+    model_args.update_from_config(job)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    params = sum(p.numel() for p in model.parameters())
+    layer = model.layers["0"]
+    loader = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None, job_config=job)
+    inputs, labels = next(iter(loader))
+    return {
+        "figure": "anchor-check", "version": torchtitan.__version__, "model": cfg.model.name,
+        "params": params, "trainer_params": count_params(cfg.model)["total"],
+        "ffn_dim": layer.feed_forward.w1.out_features, "trainer_ffn_dim": cfg.model.ffn_dim,
+        "ffn_dim_multiplier": model_args.ffn_dim_multiplier, "multiple_of": model_args.multiple_of,
+        "rope_theta": model_args.rope_theta, "vocab_size": model_args.vocab_size, "compile": compile_on,
+        "batch": list(inputs["input"].shape), "labels": list(labels.shape),
+        "optimizer": job.optimizer.implementation, "log_freq": job.metrics.log_freq,
+    }
+
+
 def main() -> int:
     args, overrides = parse()
+    if args.check:
+        result = check_v02(args, overrides)
+        print(json.dumps(result), flush=True)
+        return 0 if result["params"] == result["trainer_params"] else 1
     if ANCHOR_ARGS not in os.environ:
         return relaunch(args)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

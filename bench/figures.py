@@ -11,6 +11,11 @@ from the first step's start to the last step's end; beside it the ledger's figur
 and the cost of a memory checkpoint (the step after each snapshot step, where its staging waits, against the median).
 ``python bench/figures.py starts RUN_DIR [--rank 0]``: every start of that rank (the first, each in-process and
 in-job restart) with its phases, from the ``start phases`` lines of ``RUN_DIR/logs/trainer-rank<R>.log``.
+``python bench/figures.py table THROUGHPUT_JSONL``: the markdown tables of ``bench/throughput_suite.sh``: the project
+against torchtitan (same call, same steps) and the leave-one-out rows.
+
+``StepClock`` and ``step_figure`` time every step on the GPU's own timeline (a CUDA event at the start of each step,
+no host sync); the trainer's runner and the torchtitan anchor both use them, so both sides are measured alike.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from trainer.ledger import read  # torch-free: the ledger and metrics files are JSON lines
@@ -47,6 +53,48 @@ def throughput_figure(run_dir: Path, skip: int, until: int | None = None) -> dic
             "step_time_s": round(statistics.median(r["step_time_s"] for r in steps), 4),
             "mfu": round(statistics.median(mfu), 4) if mfu else None, "steps_measured": len(steps), **mem,
             "losses": {r["step"]: r["loss"] for r in logged}}
+
+
+class StepClock:
+    """Per-step durations without a host sync: an event at the start of every step and one after the last
+    (``mark(last + 1)``); CUDA events on a GPU (the time between them on the device's timeline, idle gaps
+    included), the host clock otherwise."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, object] = {}
+
+    def mark(self, step: int) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[step] = event
+        else:
+            self.marks[step] = time.perf_counter()
+
+    def seconds(self) -> dict[int, float]:
+        """{step: seconds from its start to the next step's start}; syncs once, at the end."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out = {}
+        for step, start in sorted(self.marks.items()):
+            end = self.marks.get(step + 1)
+            if end is not None:
+                out[step] = end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3  # type: ignore
+        return out
+
+
+def step_figure(seconds: dict[int, float], tokens_per_step: int, skip: int, until: int | None = None) -> dict:
+    """Median step time over the steps after ``skip`` (up to ``until``), as tokens/s; every step's time in ms."""
+    measured = [t for s, t in seconds.items() if s > skip and (until is None or s <= until)]
+    if not measured:
+        return {"steps_timed": 0, "step_ms": {s: round(t * 1e3, 2) for s, t in sorted(seconds.items())}}
+    median = statistics.median(measured)
+    return {"tokens_per_s_steps": round(tokens_per_step / median), "step_s_median": round(median, 5),
+            "steps_timed": len(measured), "step_ms": {s: round(t * 1e3, 2) for s, t in sorted(seconds.items())}}
 
 
 def throughput(run_dir: Path, skip: int, until: int | None = None) -> None:
@@ -120,10 +168,57 @@ def starts(run_dir: Path, rank: int) -> None:
                   "total_s": float(match[3]), "phases": phases})
 
 
+GOALS = {"compiled": 1.05, "eager": 1.10}  # issue 21: the project's tokens/s over torchtitan's, same call
+
+
+def _fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def table(lines: list[dict]) -> str:
+    """Markdown: the project against torchtitan per mode (labels ``ours-<mode>`` / ``titan-<mode>``), then one
+    table per leave-one-out group (labels ``loo-<mode>`` and ``loo-<mode>:<variant>``). Tokens/s are medians of
+    per-step times (``tokens_per_s_steps``); the 10-step windows' medians are the second ratio."""
+    by_label = {r["label"]: r for r in lines if r.get("label")}
+    out = ["| run | project tokens/s | torchtitan tokens/s | ratio (per step) | ratio (10-step windows) | goal | "
+           "peak reserved, project / torchtitan | memory |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, goal in GOALS.items():
+        ours, titan = by_label.get(f"ours-{mode}", {}), by_label.get(f"titan-{mode}", {})
+        a, b = ours.get("tokens_per_s_steps"), titan.get("tokens_per_s_steps")
+        wa, wb = ours.get("tokens_per_s"), titan.get("tokens_per_s")
+        ratio = a / b if a and b else None
+        wratio = wa / wb if wa and wb else None
+        ma, mb = ours.get("mem_reserved_gib"), titan.get("mem_reserved_gib")
+        verdict = "—" if ratio is None else ("met" if ratio >= goal else "missed")
+        memory = "—" if ma is None or mb is None else ("met" if ma <= mb else "missed")
+        problem = " ".join(f"{side}: {r.get('error') or r.get('figure') or 'no line'}"  # why a side has no figure
+                           for side, r in (("project", ours), ("torchtitan", titan)) if not r.get("tokens_per_s_steps"))
+        out.append(f"| {mode} | {_fmt(a)} | {_fmt(b)} | **{_fmt(ratio, '.3f')}** {verdict} | {_fmt(wratio, '.3f')} "
+                   f"| ≥ {goal:.2f} | {_fmt(ma, '.2f')} / {_fmt(mb, '.2f')} GiB | {memory} |"
+                   + (f" {problem[:200]}" if problem else ""))
+    groups = sorted({label.split(":")[0] for label in by_label if label.startswith("loo-")})
+    for group in groups:
+        base = by_label.get(group, {})
+        out += ["", f"**{group}** (every change on, then each left out; per-step medians)", "",
+                "| variant | overrides | tokens/s | vs every change on | step | peak reserved / allocated |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for label in [group] + sorted(k for k in by_label if k.startswith(group + ":")):
+            r = by_label[label]
+            tps, ref = r.get("tokens_per_s_steps"), base.get("tokens_per_s_steps")
+            change = f"{(tps / ref - 1) * 100:+.1f} %" if tps and ref and label != group else ("1" if tps else "—")
+            step = r.get("step_s_median")
+            overrides = " ".join(r.get("overrides") or []) + (" layers off" if r.get("layers") == "off" else "")
+            out.append(f"| {label.split(':', 1)[-1] if ':' in label else 'all'} | {overrides or '—'} | {_fmt(tps)} "
+                       f"| {change} | {_fmt(step * 1e3 if step else None, '.1f')} ms "
+                       f"| {_fmt(r.get('mem_reserved_gib'), '.2f')} / {_fmt(r.get('mem_allocated_gib'), '.2f')} GiB |"
+                       + (f" {r.get('error', '')[:200]}" if not tps else ""))
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("throughput", "recovery", "starts", "goodput"))
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("kind", choices=("throughput", "recovery", "starts", "goodput", "table"))
+    parser.add_argument("run_dir", type=Path, help="a run directory (table: the suite's throughput.jsonl)")
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--until", type=int, default=None, help="throughput: ignore step records after this step")
     parser.add_argument("--rank", type=int, default=0, help="starts: whose log")
@@ -135,6 +230,8 @@ def main() -> None:
         starts(args.run_dir, args.rank)
     elif args.kind == "goodput":
         goodput(args.run_dir, args.interval)
+    elif args.kind == "table":
+        print(table(read(args.run_dir)), end="")
     else:
         recovery(args.run_dir)
 

@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# Issue 14's figures: the trainer against torchtitan on the same model shape, measured in one device call.
-# JSON lines go to $OUT/throughput.jsonl (and stdout); logs, metrics and profiles to $OUT/runs.tar.gz.
+# Issue 21's runner of record: the trainer against torchtitan (0.2.2 on the GPU machine's PyTorch 2.11) on the same
+# model shape, in ONE device call, plus the leave-one-out rows of the changes that closed the gap.
 #
-#   source bench/gpu_env.sh && bash bench/throughput_suite.sh PART [PART ...]
+#   source bench/gpu_env.sh && OUT=$OUT bash bench/throughput_suite.sh headline loo table
 #
-# PARTs (each run is one process; the trainer runs are bench/trainer_run.py, which stops after the measured
-# step instead of writing the final checkpoint):
-#   headline  the trainer under trainer_image/entrypoint.sh (ft_launcher heartbeats, in-process Wrapper, the
-#             checkpoint manager's per-step call, preemption agreement: every recovery layer on), compiled and
-#             eager, and torchtitan (bench/anchor_torchtitan.py) compiled and eager; STEPS steps, median of the
-#             10-step windows after step 10
-#   before    the trainer tree in $BEFORE_TREE (the code before this issue): compiled with a profile, eager
-#   ablation  this tree, one process: every change left out in turn, and the recovery layers' cost per step
-#   kernels   the tree in $KERNELS_TREE (this tree without the RMSNorm/RoPE kernel change), compiled
-# torchtitan is whichever version is importable (the anchor speaks the 0.2 and 0.3 APIs). 0.3.0 does not import
-# under PyTorch 2.11 (DataParallelMeshDims is newer); on such a machine carry torchtitan 0.2.2 instead.
-# Environment: NPROC (GPUs, default all), CONFIG (1b; 8b takes seq 8192, batch 1 and activation checkpointing
-# from its TOML), STEPS (40), STOP (ablation runs' last measured step, 20), DATA (token shards; built when
-# missing), DEADLINE_S (a run that would start later than this many seconds into the suite is skipped).
+# PARTs, in the order given:
+#   headline  torchtitan's flavour checked against the trainer's (anchor --check: parameter count, FFN width),
+#             then interleaved, one process each, STEPS (40) steps: ours-compiled (trainer_image/entrypoint.sh:
+#             ft_launcher heartbeats, in-process Wrapper, every recovery layer on; the 1b TOML's defaults: compile
+#             on, log_every 10), titan-compiled (bench/anchor_torchtitan.py), ours-eager, titan-eager
+#   loo       leave-one-out, one process per mode (bench/trainer_run.py --variants, recovery layers on, no
+#             ft_launcher), LOO_STOP (25) steps per variant: loo-compiled (every change on; then 3 steps profiled:
+#             its top kernels in the JSON line, profile.txt in runs.tar.gz) then each change off, and the recovery
+#             layers off; loo-eager likewise (RoPE's kernel is the same in eager mode: no row)
+#   before    the trainer tree in $BEFORE_TREE, compiled and eager (20 steps)
+#   table     $OUT/table.md from $OUT/throughput.jsonl (bench/figures.py table)
+# Every figure: median over the steps after 10 of each step's time on the GPU's timeline (CUDA events at step
+# starts, no extra host sync, the same code on both sides: bench/figures.py StepClock), tokens/s from it; plus each
+# framework's own 10-step windows (both sync every 10 steps); peak reserved/allocated memory per process.
+#
+# Budget: each run starts only if its estimate fits before DEADLINE_S (default 540 s into the suite; a skipped run
+# is a JSON line) and is killed at HARD_S (DEADLINE_S + 30). A process's finished variants are printed as they end.
+# Outputs in $OUT (flat): throughput.jsonl (every JSON line), table.md, suite.log (progress, timestamped),
+# runs.tar.gz (each run's log, metrics.jsonl, recovery ledger; no checkpoints).
+# Environment: NPROC (GPUs, default all), CONFIG (1b), STEPS (40), LOO_STOP (25), DATA (token shards; built when
+# missing), RUNS (scratch, /tmp/tput-runs), DEADLINE_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/tput}"
@@ -26,24 +33,30 @@ DATA="${DATA:-$RUNS/data}"
 CONFIG="${CONFIG:-1b}"
 NPROC="${NPROC:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}"
 STEPS="${STEPS:-40}"
-STOP="${STOP:-20}"
-DEADLINE_S="${DEADLINE_S:-100000}"
+LOO_STOP="${LOO_STOP:-25}"
+DEADLINE_S="${DEADLINE_S:-540}"
+HARD_S=$((DEADLINE_S + 30))
 BASE_PYTHONPATH="${PYTHONPATH:-}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$RUNS"
 FIG="$OUT/throughput.jsonl"
+LOG="$OUT/suite.log"
 
-say() { printf '== [%4ds] %s\n' "$SECONDS" "$*" >&2; }
-fig() { grep -o '{"figure".*' | tee -a "$FIG"; }
-fits() {  # label seconds: false (and a JSON line saying so) when the run would start past DEADLINE_S
+say() { printf '== %s [%4ds] %s\n' "$(date +%H:%M:%S)" "$SECONDS" "$*" | tee -a "$LOG" >&2; }
+fig() { grep --line-buffered -o '{"figure".*' | tee -a "$FIG"; }
+fits() {  # label est_s: false (and a JSON line saying so) when the run would start past DEADLINE_S
   if (( SECONDS + $2 > DEADLINE_S )); then
     printf '{"figure": "skipped", "label": "%s", "at_s": %d}\n' "$1" "$SECONDS" | tee -a "$FIG"
+    say "skipped $1 (estimate $2 s, deadline $DEADLINE_S s)"
     return 1
   fi
 }
+limit() { local left=$((HARD_S - SECONDS)); (( $1 < left )) && echo "$1" || echo "$left"; }  # a run's timeout
+done_run() { say "done $1 (rc $2, $((SECONDS - $3)) s)"; }
 ensure_data() {
   [[ -f "$DATA/manifest.json" ]] && return
-  python3 -m components.lib.tokendata --out "$DATA" --vocab-size 4096 --max-bytes 12000000 >&2
+  say "building the token shards in $DATA"
+  python3 -m components.lib.tokendata --out "$DATA" --vocab-size 4096 --max-bytes 4000000 >&2
 }
 common() {  # trainer arguments shared by every trainer run ($1: run dir)
   printf '%s\n' --config "$CONFIG" --data.path="$DATA" --train.run_dir="$1" --checkpoint.dir="$1/ckpt" \
@@ -51,17 +64,18 @@ common() {  # trainer arguments shared by every trainer run ($1: run dir)
 }
 
 ours() {  # label tree est_s [trainer_run.py args] -- [trainer overrides]: a trainer tree under torchrun
-  local label=$1 tree=$2 est=$3; fits "$label" "$est" || return; shift 3
-  say "ours $label ($tree)"
+  local label=$1 tree=$2 est=$3 t0=$SECONDS; fits "$label" "$est" || return; shift 3
+  say "ours $label ($tree), timeout $(limit $((2 * est))) s"
   rm -rf "${RUNS:?}/$label"
   mapfile -t base < <(common "$RUNS/$label")
-  PYTHONPATH="$tree/trainer_image:$PWD:$BASE_PYTHONPATH" timeout $((3 * est)) torchrun --standalone \
+  PYTHONPATH="$tree/trainer_image:$PWD:$BASE_PYTHONPATH" timeout "$(limit $((2 * est)))" torchrun --standalone \
     --nproc-per-node "$NPROC" bench/trainer_run.py --label "$label" "${base[@]}" "$@" 2>"$RUNS/$label.log" | fig
+  done_run "$label" "${PIPESTATUS[0]}" "$t0"
 }
 
 production() {  # label est_s [trainer overrides]: trainer_image/entrypoint.sh with every recovery layer on
-  local label=$1 est=$2; fits "$label" "$est" || return; shift 2
-  say "production $label"
+  local label=$1 est=$2 t0=$SECONDS; fits "$label" "$est" || return; shift 2
+  say "production $label, timeout $(limit $((2 * est))) s"
   rm -rf "${RUNS:?}/$label"
   mapfile -t base < <(common "$RUNS/$label")
   # entrypoint.sh's ft_launcher, with bench/trainer_run.py (which calls resiliency.run like `-m trainer`
@@ -78,52 +92,63 @@ exec ft_launcher "\${args[@]}"
 EOF
   chmod +x "$shim"
   PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" FT_LAUNCHER="$shim" NPROC_PER_NODE="$NPROC" \
-    MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=0 timeout $((3 * est)) trainer_image/entrypoint.sh \
-    "${base[@]}" --resiliency.inprocess=true "$@" 2>"$RUNS/$label.log" | fig
+    MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=0 timeout "$(limit $((2 * est)))" \
+    trainer_image/entrypoint.sh "${base[@]}" --resiliency.inprocess=true "$@" 2>"$RUNS/$label.log" | fig
+  done_run "$label" "${PIPESTATUS[0]}" "$t0"
 }
 
-titan() {  # label est_s [anchor args]: torchtitan on the same shape and settings; on failure once more
-  local label=$1 est=$2; fits "$label" "$est" || return; shift 2  # without CUDA graphs (torchtitan's option)
-  say "torchtitan $label"
-  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout $((3 * est)) python3 bench/anchor_torchtitan.py \
-    --config "$CONFIG" --nproc "$NPROC" --steps "$STEPS" --out "$RUNS/$label" --label "$label" "$@" \
-    >"$RUNS/$label.log" 2>&1 && { fig <"$RUNS/$label.log"; return; }
+titan() {  # label est_s [anchor args]: torchtitan on the same shape and settings
+  local label=$1 est=$2 t0=$SECONDS rc; fits "$label" "$est" || return; shift 2
+  say "torchtitan $label, timeout $(limit $((2 * est))) s"
+  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout "$(limit $((2 * est)))" python3 \
+    bench/anchor_torchtitan.py --config "$CONFIG" --nproc "$NPROC" --steps "$STEPS" --out "$RUNS/$label" \
+    --label "$label" "$@" >"$RUNS/$label.log" 2>&1
+  rc=$?
+  if ! grep -q '{"figure"' "$RUNS/$label.log"; then  # it died before its JSON line: say so in the table
+    python3 -c 'import json, sys; print(json.dumps({"figure": "anchor", "label": sys.argv[1], "error": f"exit {sys.argv[2]}: " + sys.argv[3]}))' \
+      "$label" "$rc" "$(grep -v '^\s*$' "$RUNS/$label.log" | tail -n 1 | cut -c1-300)" >>"$RUNS/$label.log"
+  fi
   fig <"$RUNS/$label.log"
-  tail -n 30 "$RUNS/$label.log" >&2
-  [[ "$*" == *--no-cuda-graphs* ]] || titan "$label-nographs" "$est" "$@" --no-cuda-graphs
+  (( rc == 0 )) || tail -n 30 "$RUNS/$label.log" >&2
+  done_run "$label" "$rc" "$t0"
 }
 
 part_headline() {
-  production ours-compiled 70 --train.compile=true
-  titan titan-compiled 90 --compile
-  production ours-eager 35 --train.compile=false
-  titan titan-eager 60 --no-compile
+  say "torchtitan flavour check (no training)"
+  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout 60 python3 bench/anchor_torchtitan.py \
+    --config "$CONFIG" --check 2>>"$LOG" | fig
+  production ours-compiled 80 --train.compile=true
+  titan titan-compiled 100 --compile
+  production ours-eager 45 --train.compile=false
+  titan titan-eager 55 --no-compile
+}
+
+part_loo() {
+  # Each variant leaves one change of issue 21 out; the label before ":" names the group's every-change-on row.
+  ours loo-compiled "$PWD" 150 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
+    {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
+    {"label": "loo-compiled:plain-loss", "set": ["--train.chunked_loss=false"]},
+    {"label": "loo-compiled:complex-rope", "set": ["--train.rope_kernel=complex"]},
+    {"label": "loo-compiled:layers-off", "layers": "off"}
+  ]' -- --train.compile=true
+  ours loo-eager "$PWD" 55 --stop-at "$LOO_STOP" --variants '[
+    {"label": "loo-eager:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
+    {"label": "loo-eager:plain-loss", "set": ["--train.chunked_loss=false"]}
+  ]' -- --train.compile=false
 }
 
 part_before() {
-  ours before-compiled "${BEFORE_TREE:?set BEFORE_TREE to a trainer tree}" 80 --stop-at "$STOP" --profile-steps 3 \
-    --variants '[{"label": "before-eager", "set": ["--train.compile=false"]}]' -- --train.compile=true \
-    --train.log_every=5
+  ours before-compiled "${BEFORE_TREE:?set BEFORE_TREE to a trainer tree}" 80 --stop-at 20 \
+    --variants '[{"label": "before-eager", "set": ["--train.compile=false"]}]' -- --train.compile=true
 }
 
-part_ablation() {
-  # Each variant leaves one change out (or the recovery layers); "after" has them all and is profiled.
-  ours after "$PWD" 120 --stop-at "$STOP" --profile-steps 3 --variants '[
-    {"label": "no-fused-adamw", "set": ["--optim.implementation=for_loop"]},
-    {"label": "no-compiled-loss", "set": ["--train.compile_loss=false"]},
-    {"label": "reshard-always", "set": ["--train.reshard_after_forward=always"]},
-    {"label": "auto-gc", "set": ["--train.gc_every=0"]},
-    {"label": "layers-off", "layers": "off"}
-  ]' -- --train.compile=true --train.log_every=5
-}
-
-part_kernels() {
-  ours kernels-old "${KERNELS_TREE:?set KERNELS_TREE to a trainer tree}" 50 --stop-at "$STOP" -- \
-    --train.compile=true --train.log_every=5
+part_table() {
+  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" python3 bench/figures.py table "$FIG" | tee "$OUT/table.md"
 }
 
 pack() { tar -czf "$OUT/runs.tar.gz" -C "$RUNS" --exclude=ckpt --exclude=checkpoints --exclude=data . 2>/dev/null; }
 
+say "suite: parts $*; deadline ${DEADLINE_S} s, hard stop ${HARD_S} s"
 ensure_data
 python3 - <<'EOF' | fig
 import json, subprocess, torch
@@ -140,6 +165,6 @@ EOF
 for part in "$@"; do
   say "part $part"
   "part_$part"
-  pack
+  [[ $part == table ]] || pack
 done
 say "done"

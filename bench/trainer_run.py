@@ -9,9 +9,11 @@ ledger, checkpoint manager, and the in-process Wrapper when ``--resiliency.inpro
 ``train()`` with the null layers of the unit tests. The trainer is imported from ``PYTHONPATH``, so the same
 runner measures any tree of the trainer (``bench/throughput_suite.sh`` runs one tree per change).
 
-The stop and the profiler ride on the ``Layers`` hooks (``before_step``/``after_step``), which every version of
-the loop calls once per step. Rank 0 prints one JSON line: ``bench/figures.py throughput`` over the logged
-steps after ``--skip`` up to ``--stop-at``, plus, with ``--profile-steps``, the profile's top CUDA kernels.
+The stop, the step clock and the profiler ride on the ``Layers`` hooks (``before_step``/``after_step``), which
+every version of the loop calls once per step. Rank 0 prints one JSON line: ``bench/figures.py throughput`` over
+the logged steps after ``--skip`` up to ``--stop-at`` (the trainer's own 10-step windows), the median of every
+step's time on the GPU's timeline over the same steps (``StepClock``: no extra host sync), plus, with
+``--profile-steps``, the profile's top CUDA kernels.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import throughput_figure  # noqa: E402
+from figures import StepClock, step_figure, throughput_figure  # noqa: E402
 
 from trainer import resiliency  # noqa: E402
 from trainer.config import parse_args  # noqa: E402
@@ -113,8 +115,10 @@ def run_variant(base: list[str], variant: dict, stop_at: int, skip: int, nested:
     cfg.train.steps = max(cfg.train.steps, last + 1)  # never the last step: no final checkpoint
     run_dir = Path(cfg.train.run_dir)
     profiler = StepProfiler(stop_at + 1, profile_steps, run_dir / "profile.txt")
+    clock = StepClock()
 
     def before_step(self: resiliency.Layers, step: int) -> None:
+        clock.mark(step)
         if profile_steps:
             profiler.before(step)
         BEFORE_STEP(self, step)
@@ -124,6 +128,7 @@ def run_variant(base: list[str], variant: dict, stop_at: int, skip: int, nested:
         if profile_steps:
             profiler.after(step)
         if step >= last:
+            clock.mark(step + 1)
             raise StopRun(ExitCode.OK, f"benchmark: stopped after step {step}")
 
     resiliency.Layers.before_step = before_step  # type: ignore[method-assign]
@@ -141,12 +146,15 @@ def run_variant(base: list[str], variant: dict, stop_at: int, skip: int, nested:
         res.close(job_over=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+    seconds = clock.seconds()
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     try:
         figure = throughput_figure(run_dir, skip, stop_at)
     except ValueError as exc:
         figure = {"figure": "throughput", "error": str(exc)}
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * int(os.environ.get("WORLD_SIZE", "1"))
+    figure.update(step_figure(seconds, tokens_per_step, skip, stop_at))
     figure.update(label=variant.get("label") or run_dir.name, layers=layers, compile=cfg.train.compile,
                   overrides=variant.get("set", []), **profiler.summary)
     return figure

@@ -216,7 +216,10 @@ def test_sigterm_commits_a_final_checkpoint_and_a_relaunch_resumes(tmp_path, tin
     assert rc == ExitCode.PREEMPTED, out[-4000:]
     (preempted,) = events(tmp_path, "preempted")
     assert (tmp_path / "checkpoints" / f"step-{preempted['step']:08d}" / "manifest.json").exists()
-    assert preempted["step"] in (5, 6)  # the step being trained when the signal landed
+    # Every rank stops one step after the first per-step reduction that saw the signal (flags are read a step
+    # late): at 5 if rank 1 was still in step 4 when rank 0's fault at step 5 signalled, later as the forwarded
+    # signal takes longer.
+    assert 5 <= preempted["step"] < STEPS, preempted
     rc, out, _ = entrypoint(tmp_path, tiny_dataset, *SIGTERM_ARGS)  # relaunch: the fault does not fire again
     assert rc == 0, out[-4000:]
     (restart,) = [r for r in events(tmp_path, "restart") if r["rank"] == 0]

@@ -106,6 +106,10 @@ def test_learned_heartbeat_timeouts_never_undercut_the_launcher_or_the_in_proces
 def test_record_exit_signals_the_entrypoint_only_for_job_ending_codes(tmp_path, monkeypatch):
     got: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    # record_exit ignores SIGTERM in the process that records a job-ending code: here, pytest's. An ignored
+    # SIGTERM is inherited by every later subprocess, and a shell cannot trap a signal ignored at its start
+    # (entrypoint.sh then never forwards a preemption): put the disposition back.
+    term = signal.getsignal(signal.SIGTERM)
     try:
         monkeypatch.setenv(EXIT_CODE_DIR_ENV, str(tmp_path))
         monkeypatch.setenv(ENTRYPOINT_PID_ENV, str(os.getpid()))
@@ -125,6 +129,7 @@ def test_record_exit_signals_the_entrypoint_only_for_job_ending_codes(tmp_path, 
         assert heard == [(143, ""), (3, "ShardError: missing")]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGTERM, term)
 
 
 def test_one_exit_per_process_the_first_wins(tmp_path, monkeypatch):

@@ -184,6 +184,20 @@ class TrainConfig:
     reshard_after_forward: str = "auto"
     """FSDP2: free each block's gathered parameters after its forward and gather them again for the backward.
     ``auto``: only with more than one rank (with one there is nothing to save); ``always``; ``never``."""
+    single_rank: str = "auto"
+    """With one rank: ``direct`` keeps the parameters as the one-rank DTensors FSDP2 would make (the same checkpoint
+    layout and optimizer) but runs no FSDP2: each forward copies them once to the compute dtype, and when the
+    backward ends the gradients become fp32 in one pass, clipped on the way (``trainer/onerank.py``): the values of
+    FSDP2 on one rank, without its all-gather and reduce-scatter copies. ``fsdp``: FSDP2 as with more ranks.
+    ``auto``: ``direct`` unless ``activation_checkpointing`` is on (its recomputation in the backward needs FSDP2's
+    parameter handling). Ignored with more than one rank."""
+    chunked_loss: bool = True
+    """Cross-entropy in row chunks that writes its gradient over the logits (``trainer/loss.py``): no second
+    ``[tokens, vocab]`` buffer for the gradient and, in eager mode, no fp32 copy of the logits. Same fp32 math."""
+    rope_kernel: str = "auto"
+    """How RoPE rotates channel pairs, in fp32 either way: ``complex`` (one complex multiplication: one kernel in
+    eager mode, but ``torch.compile`` cannot compile complex numbers and runs it eagerly), ``real`` (four real
+    products that Inductor fuses with the projections), ``auto``: ``real`` when compiled, ``complex`` otherwise."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1
@@ -201,6 +215,11 @@ class TrainConfig:
         _choice(self, "train", "device", ("auto", "cpu", "cuda"))
         _choice(self, "train", "mixed_precision", ("auto", "bf16", "fp32"))
         _choice(self, "train", "reshard_after_forward", ("auto", "always", "never"))
+        _choice(self, "train", "single_rank", ("auto", "direct", "fsdp"))
+        _choice(self, "train", "rope_kernel", ("auto", "complex", "real"))
+        if self.single_rank == "direct" and self.activation_checkpointing:
+            raise ConfigError("train.single_rank=direct cannot recompute activations: set train.single_rank=auto "
+                              "(FSDP2 with activation checkpointing) or train.activation_checkpointing=false")
         if self.cpu_threads < 0:
             raise ConfigError(f"train.cpu_threads must be >= 0 (0 = automatic); got {self.cpu_threads}")
         if self.gc_every < 0:

@@ -64,16 +64,26 @@ class RopeScaling:
         return torch.where(in_band, between, out)
 
 
-def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles: one
-    complex multiplication in fp32 (a single kernel in eager mode)."""
+def apply_rope(x: torch.Tensor, tables: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles, in fp32.
+
+    ``kernel`` (``train.rope_kernel``): ``complex``: one complex multiplication (a single kernel in eager mode);
+    ``real``: ``(a cos - b sin, a sin + b cos)``, which Inductor fuses (it cannot compile complex numbers and would
+    run the complex product eagerly, with conversions around it); ``auto``: ``real`` when compiling."""
     seq = x.shape[1]
+    if kernel == "real" or (kernel == "auto" and torch.compiler.is_compiling()):
+        cos, sin = (tables[:seq, :, i].float().view(1, seq, 1, -1) for i in (0, 1))
+        a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
     rotation = torch.view_as_complex(tables[:seq].float()).view(1, seq, 1, -1)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
+    rope_kernel = "auto"
+    """``apply_rope``'s kernel; set from ``train.rope_kernel`` (``parallel.apply_fsdp``)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -89,7 +99,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, rope, self.rope_kernel), apply_rope(k, rope, self.rope_kernel)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
@@ -135,7 +145,7 @@ class Transformer(nn.Module):
     tied weight has one name in every state dict, one optimizer state and one FSDP unit (``parallel.apply_fsdp``)."""
 
     loss_fn = staticmethod(cross_entropy)
-    """Replaced by its compiled version when ``train.compile`` is on (``parallel.apply_fsdp``)."""
+    """Replaced by ``train.chunked_loss``'s choice, compiled with ``train.compile`` (``parallel.apply_fsdp``)."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()

@@ -13,7 +13,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer import loss
 from trainer.config import TrainConfig
+from trainer.onerank import OneRank, clip_grad_norm_  # noqa: F401  (re-exported for the loop)
 
 
 @dataclass(frozen=True)
@@ -149,31 +151,40 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Activation checkpointing and ``torch.compile`` per block (optional), then FSDP2 units: each block, the
-    embedding, [final norm, output], and the root.
+def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
+    """The execution choices of ``[train]``: the RoPE kernel and the loss, activation checkpointing and
+    ``torch.compile`` per block (optional), then FSDP2 units: each block, the embedding, [final norm, output],
+    and the root; or, with one rank, ``OneRank`` instead of FSDP2 (``train.single_rank``), which clips the
+    gradients at ``grad_clip`` as it converts them at the end of each backward (``clip_grad_norm_``).
 
     Own units for the embedding and the head let their gathers and reductions overlap with the blocks' compute
     instead of running with the root's. A tied embedding (``model.tie_embeddings``) is used by the first and the
     last computation of the forward, so it must stay gathered in between: it and the final norm belong to the root
-    unit (gathered for the whole forward and backward, reduced once), never to a unit resharded after its forward. With one rank, FSDP2 still runs (it casts the parameters to bf16 and
-    keeps the checkpoint's DTensor layout), but by default (``train.reshard_after_forward=auto``) nothing is
-    resharded after the forward: the bf16 copies are kept for the backward rather than cast again.
+    unit (gathered for the whole forward and backward, reduced once), never to a unit resharded after its forward.
+    If FSDP2 runs with one rank (``train.single_rank=fsdp``, or activation checkpointing), by default
+    (``train.reshard_after_forward=auto``) nothing is resharded after the forward: the bf16 copies are kept for the
+    backward rather than cast again.
     """
     policy = mixed_precision(cfg, device)
+    direct = dist.get_world_size() == 1 and (
+        cfg.single_rank == "direct" or (cfg.single_rank == "auto" and not cfg.activation_checkpointing))
     reshard = {"auto": dist.get_world_size() > 1, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
+        block.attention.rope_kernel = cfg.rope_kernel
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
             block = torch.compile(block)
-        # The last block's parameters are needed again right away by the backward; keep them.
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
+        if not direct:  # the last block's parameters are needed again right away by the backward; keep them
+            fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
-    if cfg.compile and cfg.compile_loss:
+    compile_loss = cfg.compile and cfg.compile_loss
+    if compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
-        model.loss_fn = torch.compile(model.loss_fn)  # type: ignore[assignment]
+    model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
+    if direct:
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip)
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
         fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]

@@ -109,11 +109,12 @@ class TrainProgress:
 
 
 def build_model(cfg: JobConfig, device: torch.device) -> nn.Module:
-    """Full deterministic init on the target device (same weights for any world size), then FSDP2 sharding."""
+    """Full deterministic init on the target device (same weights for any world size), then FSDP2 sharding (one
+    rank: ``OneRank``, which clips at ``optim.grad_clip`` when each backward ends; see ``parallel.clip_grad_norm_``)."""
     with torch.device(device):
         model = Transformer(cfg.model, max_seq_len=cfg.data.seq_len)
     model.init_weights(cfg.train.seed)
-    return parallel.apply_fsdp(model, cfg.train, device)
+    return parallel.apply_fsdp(model, cfg.train, device, grad_clip=cfg.optim.grad_clip)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -293,7 +294,7 @@ def _steps(
             loss.backward()
             grad_norm = None
             if cfg.optim.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                grad_norm = parallel.clip_grad_norm_(model, cfg.optim.grad_clip)
         checkpointer.wait_for_staging()  # async-safety: the previous save's staging must be done
         with ft.section("optimizer"):  # FT: local work only, like data
             optimizer.step()

@@ -194,18 +194,47 @@ class Heartbeat(NullHeartbeat):
 
 
 # --- preemption ---------------------------------------------------------------------------------------
+class _FlagReduction:
+    """One step's preemption flags, MAX-reduced over the ranks without a host sync: an async all-reduce whose
+    result (CUDA) is copied to pinned host memory behind an event. Read a step later, when the GPU is long past
+    it: the host waits for nothing while the GPU still has the next step queued."""
+
+    def __init__(self, requested: bool, device: torch.device) -> None:
+        self.flag = torch.full((1,), 1.0 if requested else 0.0, device=device)  # a fill: no host-to-device copy
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        self.host: torch.Tensor | None = None
+        self.event: Any = None
+        if device.type == "cuda":
+            self.work.wait()  # NCCL: only the current stream waits for the reduction
+            self.host = torch.empty(1, pin_memory=True)
+            self.host.copy_(self.flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def any_requested(self) -> bool:
+        if self.event is None:  # gloo: the CPU tensor is the result once the work is done
+            self.work.wait()
+            return bool(self.flag.item() > 0)
+        self.event.synchronize()
+        return bool(self.host.item() > 0)  # type: ignore[union-attr]
+
+
 class Preemption:
     """SIGTERM: finish the step, write a synchronous checkpoint, exit PREEMPTED within the grace period.
 
-    Ranks agree on the step with a one-element all-reduce per step (the launcher's forwarded SIGTERM
-    reaches ranks at slightly different times). A watchdog ends the process when the grace period is
-    over: PREEMPTED if the final checkpoint was committed, else TERMINATED (both retryable).
+    Ranks agree on the step (the launcher's forwarded SIGTERM reaches ranks at slightly different times): each
+    step's flags are MAX-reduced without waiting and read at the end of the next step, so every rank stops on the
+    same step, one step after the signal reached the last rank (with one rank: the step it arrived in). The final
+    save therefore starts at most two steps after the signal; ``resiliency.preemption_grace_s`` must cover that
+    and the save. A watchdog ends the process when the grace period is over: PREEMPTED if the final checkpoint
+    was committed, else TERMINATED (both retryable).
     """
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.requested = False
         self.committed = False
+        self.pending: _FlagReduction | None = None
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -241,13 +270,24 @@ class Preemption:
         os._exit(int(code))
 
     def agreed(self, device: torch.device, world_size: int) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        if world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+        """Whether every rank stops after this step (called once per step on every rank)."""
+        if world_size == 1:
+            return self.requested
+        previous, self.pending = self.pending, _FlagReduction(self.requested, device)
+        if previous is not None and previous.any_requested():
             self.requested = True
             return True
         return False
+
+    def restart(self) -> None:
+        """A new attempt (in-process restart): a reduction left by the previous one belongs to its process group."""
+        self.pending = None
+
+    def drain(self) -> None:
+        """Training is over: wait for the last step's reduction before the process group goes."""
+        if self.pending is not None:
+            self.pending.any_requested()
+            self.pending = None
 
 
 # --- the composition ----------------------------------------------------------------------------------
@@ -328,6 +368,7 @@ class Layers:
 
     def on_loop_start(self, resumed_step: int, tier: str | None = None) -> None:
         self.starting = True
+        self.preemption.restart()
         if self.ledger is not None:
             self.ledger.on_train_start(self.iteration, resumed_step, tier=tier)
         self.straggler.on_loop_start()
@@ -391,6 +432,7 @@ class Layers:
         return {"origin": clock.origin, "phases": phases, "abort": abort}
 
     def on_train_end(self, steps: int) -> None:
+        self.preemption.drain()
         if self.ledger is not None:
             self.ledger.summarize(steps)
 

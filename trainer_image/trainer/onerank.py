@@ -1,0 +1,149 @@
+"""One rank without FSDP2 (``train.single_rank``): FSDP2's parameters and gradients, without its copies.
+
+FSDP2 on one rank still moves the data its collectives would: every forward casts each fp32 parameter to bf16 and
+copies the result into the unsharded parameter; every backward concatenates the bf16 gradients into an fp32
+reduce-scatter buffer and copies that into the sharded gradient (on the 1b model on an H200, most of the 14.5 ms
+of copies in a 274 ms step); gradient clipping then reads the fp32 gradients twice (norm, scale). With one rank
+the reduction is the identity, so the same values come from less work:
+
+- the parameters are the one-rank ``DTensor``s (``Shard(0)``) FSDP2 would make: the optimizer and the checkpoint
+  (its pieces, its layout across world sizes) see exactly what they see under FSDP2;
+- a forward pre-hook on the model puts a copy of each parameter's local tensor in the compute dtype on the
+  modules for the length of the forward (a leaf tensor; fp32 compute uses the local tensor itself), then the
+  parameters go back; autograd accumulates the gradients on those copies, in the compute dtype, as FSDP2
+  accumulates them on its unsharded parameters (a tied parameter: one copy, both gradients);
+- at the end of the backward (an autograd callback) each gradient becomes the fp32 gradient of its ``DTensor``
+  parameter in one pass: ``fp32(g) * c``, where ``c`` is gradient clipping's coefficient when the model was built
+  with ``grad_clip`` (``min(1, max_norm / (norm + 1e-6))``, the norm taken over the fp32 values of the bf16
+  gradients: ``torch.nn.utils.clip_grad_norm_``'s arithmetic), else 1. ``clip_grad_norm_`` here returns that norm.
+
+The bf16 copies live as long as FSDP2's unsharded parameters do without resharding (from the forward to the end
+of the backward). With ``grad_clip``, every backward is clipped when it ends: one backward per optimizer step, as
+the trainer's loop does (gradient accumulation would clip each micro-batch; the trainer has none).
+
+Activation checkpointing recomputes a block's forward inside the backward, when the fp32 parameters are back on
+the modules: with it, one rank uses FSDP2 (``train.single_rank=auto``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+
+class OneRank:
+    """The model's parameters as one-rank DTensors, copied to ``compute_dtype`` for each forward and backward."""
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device, grad_clip: float) -> None:
+        self.compute_dtype = compute_dtype
+        self.grad_clip = grad_clip
+        self.mesh = init_device_mesh(device.type, (1,))
+        self.masters: list[nn.Parameter] = []
+        self.slots: list[tuple[nn.Module, str, int]] = []
+        """Every (module, name) that holds a parameter, with the parameter's index in ``masters``."""
+        index: dict[int, int] = {}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in index:  # one rank: the local shard is the whole tensor (no copy, no collective)
+                    index[id(param)] = len(self.masters)
+                    self.masters.append(nn.Parameter(
+                        DTensor.from_local(param.detach(), self.mesh, [Shard(0)], run_check=False),
+                        requires_grad=param.requires_grad))
+                module._parameters[name] = self.masters[index[id(param)]]
+                self.slots.append((module, name, index[id(param)]))
+        self.pending: list[list[torch.Tensor]] = []
+        """The compute-dtype copies (leaves) of each forward whose backward has not ended yet (one per step)."""
+        self.last_norm: torch.Tensor | None = None
+        self.depth = 0  # a forward inside the forward (none today) uses the outer one's copies
+
+    @classmethod
+    def apply(cls, model: nn.Module, compute_dtype: torch.dtype, device: torch.device,
+              grad_clip: float = 0.0) -> nn.Module:
+        one_rank = cls(model, compute_dtype, device, grad_clip)
+        model.register_forward_pre_hook(one_rank.before_forward)
+        model.register_forward_hook(one_rank.after_forward, always_call=True)  # also when the forward raises
+        model._one_rank = one_rank  # type: ignore[assignment]
+        return model
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        grad = torch.is_grad_enabled()
+        copies = []
+        for master in self.masters:
+            local = master.to_local().detach()
+            copy = local if local.dtype == self.compute_dtype else local.to(self.compute_dtype)
+            copies.append(copy.requires_grad_(grad and master.requires_grad))
+        for owner, name, i in self.slots:
+            owner._parameters[name] = copies[i]  # type: ignore[assignment]  # a tensor, as functional_call does
+        if grad:
+            self.pending.append(copies)
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        for owner, name, i in self.slots:
+            owner._parameters[name] = self.masters[i]
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._on_backward)  # the first gradient of the backward through the model
+        elif torch.is_grad_enabled() and self.pending:  # this forward has no backward (or it raised)
+            self.pending.pop()
+
+    def _on_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradients)  # at the backward's end
+        return grad
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """Each copy's gradient, times clipping's coefficient, as the fp32 gradient of its parameter. Clipping
+        needs the whole step's gradient: it is applied only to one forward's gradients with none already on the
+        parameters; otherwise they are added unclipped and ``clip_grad_norm_`` clips as usual."""
+        pending, self.pending = self.pending, []
+        self.last_norm = None
+        fresh = len(pending) == 1 and all(m.grad is None for m in self.masters)
+        for copies in pending:
+            grads: list[torch.Tensor | None] = [c.grad for c in copies]
+            copies.clear()  # the compute-dtype copies go now; each gradient goes once converted
+            present = [g for g in grads if g is not None]
+            coef = None
+            if fresh and self.grad_clip > 0 and present:
+                norms = torch._foreach_norm(present, 2.0, dtype=torch.float32)
+                self.last_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                coef = torch.clamp(self.grad_clip / (self.last_norm + 1e-6), max=1.0).reshape(1)
+            del present
+            for i, master in enumerate(self.masters):
+                grad, grads[i] = grads[i], None
+                if grad is None:
+                    continue
+                if coef is not None:  # a 1-element tensor: fp32 arithmetic on the upcast values, one pass
+                    grad32 = torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
+                else:
+                    grad32 = grad.to(torch.float32)
+                del grad
+                if master.grad is None:
+                    master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
+                else:
+                    master.grad.to_local().add_(grad32)
+
+
+def is_one_rank(model: nn.Module) -> bool:
+    """Whether ``model`` runs without FSDP2 (``OneRank``)."""
+    return isinstance(getattr(model, "_one_rank", None), OneRank)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` of the model's parameters; a ``OneRank`` model built with this
+    ``grad_clip`` clipped when its backward ended: its norm, nothing to do."""
+    one_rank = getattr(model, "_one_rank", None)
+    if isinstance(one_rank, OneRank) and one_rank.grad_clip == max_norm and one_rank.last_norm is not None:
+        norm, one_rank.last_norm = one_rank.last_norm, None
+        return norm
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
