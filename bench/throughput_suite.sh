@@ -12,7 +12,8 @@
 #   loo       leave-one-out, one process per mode (bench/trainer_run.py --variants, recovery layers on, no
 #             ft_launcher), LOO_STOP (25) steps per variant: loo-compiled (every change on; then 3 steps profiled:
 #             its top kernels in the JSON line, profile.txt in runs.tar.gz) then each change off, and the recovery
-#             layers off; loo-eager likewise (RoPE's kernel is the same in eager mode: no row)
+#             layers off, and the straggler detector (issue 22) off / reporting every 5 steps instead of 100;
+#             loo-eager likewise (RoPE's kernel is the same in eager mode: no row)
 #   before    the trainer tree in $BEFORE_TREE, compiled and eager (20 steps)
 #   table     $OUT/table.md from $OUT/throughput.jsonl (bench/figures.py table)
 # Every figure: median over the steps after 10 of each step's time on the GPU's timeline (CUDA events at step
@@ -129,7 +130,9 @@ part_loo() {
     {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-compiled:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-compiled:complex-rope", "set": ["--train.rope_kernel=complex"]},
-    {"label": "loo-compiled:layers-off", "layers": "off"}
+    {"label": "loo-compiled:layers-off", "layers": "off"},
+    {"label": "loo-compiled:straggler-off", "set": ["--resiliency.straggler=off"]},
+    {"label": "loo-compiled:straggler-every-5", "set": ["--resiliency.straggler_report_every=5"]}
   ]' -- --train.compile=true
   ours loo-eager "$PWD" 55 --stop-at "$LOO_STOP" --variants '[
     {"label": "loo-eager:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
