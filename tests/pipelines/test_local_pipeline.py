@@ -52,7 +52,10 @@ def test_pipeline_recovers_at_every_layer(tmp_path, capfd, monkeypatch):
     assert {"val_loss", "perplexity", "step", "val_tokens", "promote"} <= set(eval_metrics)
 
     reports = list((tmp_path / "kfp").rglob("evaluate-checkpoint/report"))
-    assert reports and reports[0].read_text().count("<svg") == 2
+    report = reports[0].read_text() if reports else ""
+    # the loss and recovery charts always; the straggler chart whenever the ranks reported step times
+    for title in ("Training loss by step", "Recoveries by layer over time", "Step time per rank"):
+        assert f"<title>{title}" in report, title
     summary = summarize(run_root)
     assert summary["decision"]["promote"] is True  # nothing was promoted in this fresh workdir
     record = json.loads((tmp_path / "work" / "promoted-tiny.json").read_text())
