@@ -247,11 +247,11 @@ def test_a_blocking_save_keeps_the_rank_alive_while_the_disk_writes_within_its_b
     """The final save waits 3 s on the disk (a slow fsync). The loop's liveness signals go on meanwhile, or the
     in-job layer would take a slow disk for a hung rank and restart it into the same wait; past the write's budget
     (30 s + the shard at checkpoint.min_write_mbps; here cut to nothing) they stop, so a hung disk is still found."""
-    from trainer.checkpoint import manager as manager_module
+    from trainer.checkpoint import persistent as persistent_module
 
     monkeypatch.setenv(FAULT_ENV, "slow_write:3")
     if hung:
-        monkeypatch.setattr(manager_module, "_WRITE_GRACE_S", 0.0)
+        monkeypatch.setattr(persistent_module, "_WRITE_GRACE_S", 0.0)
     state = make_state()
     train_step(state, 1)
     mgr = manager(tmp_path, interval=5, min_write_mbps=1e9 if hung else 20.0)

@@ -6,6 +6,8 @@ Modules mirror the design (``CHECKPOINTS.md`` describes the layout and the choic
 - ``state``: the training state as flat local tensors plus per-rank state;
 - ``slots``: snapshot slots in named shared memory: the memory and node-local tiers;
 - ``writer``: the background writer of the persistent tier (NVRx ``AsyncCallsQueue``);
+- ``persistent``: the persistent tier: a write in flight, its commit, retention, and loading from disk;
+- ``coordination``: the manager's own gloo group, through which the ranks agree on every decision;
 - ``storage``: start-up checks of ``checkpoint.dir``, free space, retention before a save;
 - ``policy``: when a memory checkpoint is due (fixed, or Young/Daly);
 - ``manager``: ``CheckpointManager``, which composes them.

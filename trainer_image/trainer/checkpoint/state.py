@@ -81,3 +81,20 @@ def apply(state: dict[str, Any], live: dict[str, torch.Tensor], payload: dict[st
     state["dataloader"].load_state_dict(saved_rank_state["dataloader"])
     if restore_ft and state.get("ft") is not None and "ft" in saved_rank_state:
         state["ft"].load_state_dict(saved_rank_state["ft"])  # FT: learned heartbeat timeouts
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def predicted_bytes(model: list[Piece], align: int) -> int:
+    """This rank's state predicted from the model alone (the optimizer may have no state yet, and creating it
+    here would change a fresh run): each parameter, AdamW's two fp32 moments and its step, each ``align``ed."""
+    def aligned(nbytes: int) -> int:
+        return -(-max(nbytes, 1) // align) * align
+
+    return sum(aligned(p.dtype.itemsize * numel(p.shape)) + 2 * aligned(4 * numel(p.shape)) + aligned(8)
+               for p in model)
