@@ -30,7 +30,7 @@ from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION, committed_steps
 from trainer.checkpoint.persistent import PersistentTier
-from trainer.checkpoint.policy import IntervalPolicy
+from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, snapshot_dir
 from trainer.checkpoint.state import apply, flatten, local_piece, local_tensors, predicted_bytes, rank_state
 from trainer.checkpoint.writer import Writer
@@ -61,10 +61,10 @@ class CheckpointManager:
         self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
         self.persistent.keepalive = lambda: self.keepalive()
         self.policy = IntervalPolicy(cfg.interval, cfg.mtbf_s)
+        self.persist_policy = PersistPolicy(cfg.persist_every)
         self._stream: Any = None
         self._bound = False
         self._closed = False
-        self._memory_saves = 0
         self.rank, self.world_size = env.rank, env.world_size
         self.restored_from: str | None = None
         """The tier the last ``load_latest`` restored from: memory, node-local, disk, or None."""
@@ -127,7 +127,8 @@ class CheckpointManager:
     # ---- the loop's interface -----------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], last_step: bool = False, force: bool = False) -> bool:
         """Called every step on every rank; takes a memory checkpoint when due (``interval``, ``last_step``) or
-        ``force``d, and persists every ``persist_every``-th one.
+        ``force``d, and persists every ``persist_every``-th one (one due while the previous write is still in
+        flight is deferred to the next memory checkpoint that finds the writer free: ``PersistPolicy``).
 
         ``force=True`` (preemption, SIGTERM) and ``last_step`` return only once the checkpoint is committed to
         disk; otherwise the call returns after staging. Returns True when a checkpoint of ``step`` was taken.
@@ -135,7 +136,7 @@ class CheckpointManager:
         self._require_bound()
         self.policy.tick()
         if self.persistent.inflight is not None:
-            self.persistent.poll(blocking=False)  # one tiny collective per step while a write is in flight
+            self._poll_persist(step)  # one tiny collective per step while a write is in flight
         final = force or last_step
         if not (final or self.policy.due(step)):
             return False
@@ -146,23 +147,21 @@ class CheckpointManager:
                 self._persist_final(newest)
             return True
         if final:
-            self._drain_persist()  # frees the slot it holds: the final save never skips
-        free, idle, step_s, cost_s = self._agree(step)
-        if not free:
-            log.warning("memory checkpoint of step %d skipped: every snapshot slot is busy (a write in flight); "
-                        "raise checkpoint.memory_slots to keep one per interval", step)
+            self._drain_persist(step)  # frees the slot it holds: the final save never skips
+        free, idle, want, step_s, cost_s = self._agree(step)
+        if not free:  # every other slot is held by a write and none holds an older snapshot to fall back to
+            log.warning("memory checkpoint of step %d skipped: no snapshot slot can be restaged while keeping a "
+                        "complete snapshot to fall back to", step)
             return False
         slot = self.snapshots.choose()
         assert slot is not None
         self._stage(slot, step, state)
-        self._memory_saves += 1
-        every = self.cfg.persist_every
-        if final or (idle and every > 0 and self._memory_saves % every == 0):
+        if self.persist_policy.decide(step, want, idle, final, self.persistent.lag(step), self.persistent.writing()):
             self.persistent.start(slot, step)
         if slot.event is None or final or not self.cfg.async_save:
             self._complete_staging()
         if final or not self.cfg.async_save:
-            self._drain_persist()
+            self._drain_persist(step)
         self.blocking_s.append(time.perf_counter() - started)
         interval = self.policy.snapshot_taken(step, step_s, cost_s)
         if interval is not None:
@@ -222,13 +221,15 @@ class CheckpointManager:
         self.snapshots.prepare(predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
 
     # ---- memory checkpoints ----------------------------------------------------------------------------------
-    def _agree(self, step: int) -> tuple[bool, bool, float, float]:
-        """(a free slot on every rank, no write in flight on any rank, step time, snapshot cost): one all-reduce."""
+    def _agree(self, step: int) -> tuple[bool, bool, bool, float, float]:
+        """(a slot to stage into on every rank, no write in flight on any rank, a persist due on some rank, step
+        time, snapshot cost), each the same on every rank: one all-reduce."""
         step_s, cost_s = self.policy.measurements()
         free = self.snapshots.choose() is not None
         idle = self.persistent.inflight is None  # an abandoned write is cleared by save()'s poll once it finished
-        values = self.coord.all_reduce([float(-free), float(-idle), step_s, cost_s], dist.ReduceOp.MAX)
-        return values[0] < 0, values[1] < 0, values[2], values[3]
+        want = self.persist_policy.wants()
+        values = self.coord.all_reduce([float(-free), float(-idle), float(want), step_s, cost_s], dist.ReduceOp.MAX)
+        return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4]
 
     def _stage(self, slot: Slot, step: int, state: dict[str, Any]) -> None:
         locals_, pieces, optim_extra = local_tensors(state)
@@ -257,24 +258,33 @@ class CheckpointManager:
                         mtbf_s=self.cfg.mtbf_s)
 
     # ---- the persistent tier ---------------------------------------------------------------------------------
-    def _drain_persist(self) -> None:
+    def _poll_persist(self, step: int, blocking: bool = False) -> None:
+        committed = self.persistent.poll(blocking)
+        if committed is not None:
+            caught_up = self.persist_policy.committed(committed, step)
+            if caught_up is not None:
+                self.event_sink("persist_behind", **caught_up)
+
+    def _drain_persist(self, step: int) -> None:
         while self.persistent.inflight is not None:
             if not self.persistent.inflight.submitted:
                 self._complete_staging()
-            self.persistent.poll(blocking=True)
+            self._poll_persist(step, blocking=True)
 
     def _persist_final(self, slot: Slot) -> None:
         """The final save of a snapshot already in memory: commit it to disk (synchronously)."""
+        step = slot.step
+        assert step is not None
         persist = self.persistent.inflight
         if persist is not None and persist.slot is slot and not persist.abandoned:
-            self._drain_persist()
+            self._drain_persist(step)
             return
         if self.persistent.last_committed == slot.step:
             return
-        self._drain_persist()
-        self.persistent.start(slot, slot.step)  # type: ignore[arg-type]
+        self._drain_persist(step)
+        self.persistent.start(slot, step)
         self._complete_staging()
-        self._drain_persist()
+        self._drain_persist(step)
 
     def _load_snapshot(self, state: dict[str, Any]) -> int | None:
         """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""

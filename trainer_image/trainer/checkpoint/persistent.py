@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +60,8 @@ class _Persist:
     """Set when a blocking wait for this write begins: until when the loop's liveness signals go on (monotonic)."""
     alive_at: float = 0.0
     """When they last went out (or the budget ran out: then it is past ``keepalive_until``)."""
+    started_at: float = field(default_factory=time.monotonic)
+    """When its snapshot was taken (monotonic)."""
 
 
 class PersistentTier:
@@ -72,6 +74,8 @@ class PersistentTier:
         self.save_bytes = 0
         """One persistent checkpoint's bytes, summed over ranks (``estimate_save_bytes``)."""
         self.last_committed: int | None = None
+        self.last_committed_at: float | None = None
+        """When the newest committed checkpoint's snapshot was taken (monotonic; this process only)."""
         self.loaded_step: int | None = None
         """The checkpoint this attempt was loaded from: retention never removes it."""
         self.keepalive: Callable[[], None] = lambda: None
@@ -136,16 +140,28 @@ class PersistentTier:
                 persist.report = self.writer.poll(blocking=True)
         return persist.report is not None
 
-    def poll(self, blocking: bool) -> None:
-        """Commit the write in flight once every rank's writer finished it. Ranks agree by polling (one tiny
-        all-reduce per poll) rather than by blocking in a collective while a peer still writes."""
+    def lag(self, step: int) -> tuple[int, float] | None:
+        """(steps, seconds) from the newest committed checkpoint's snapshot to ``step`` (None: none committed)."""
+        if self.last_committed is None or self.last_committed_at is None:
+            return None
+        return step - self.last_committed, time.monotonic() - self.last_committed_at
+
+    def writing(self) -> tuple[int, float] | None:
+        """(step, seconds running) of the write in flight, if any."""
+        persist = self.inflight
+        return None if persist is None else (persist.step, time.monotonic() - persist.started_at)
+
+    def poll(self, blocking: bool) -> int | None:
+        """Commit the write in flight once every rank's writer finished it; returns the step committed, if one was.
+        Ranks agree by polling (one tiny all-reduce per poll) rather than by blocking in a collective while a peer
+        still writes."""
         persist = self.inflight
         assert persist is not None
         if persist.abandoned:  # only this rank's writer is waited for, never a collective
             if self._local_done(blocking):
                 persist.slot.locked = False
                 self.inflight = None
-            return
+            return None
         while True:
             done = persist.submitted and self._local_done(blocking=False)
             done = self.coord.all_reduce([float(done)], dist.ReduceOp.MIN)[0] > 0
@@ -153,8 +169,10 @@ class PersistentTier:
                 break
             self._keep_alive_while_written(persist)
             time.sleep(_COMMIT_POLL_S)
-        if done:
-            self._commit()
+        if not done:
+            return None
+        self._commit()
+        return persist.step
 
     def _keep_alive_while_written(self, persist: _Persist) -> None:
         """FT: heartbeats stop while the loop waits on the disk, and a write's progress cannot be seen (the page
@@ -188,7 +206,7 @@ class PersistentTier:
         self.inflight = None
         if not outcome["ok"]:
             raise CheckpointStorageError(outcome["message"])
-        self.last_committed = persist.step
+        self.last_committed, self.last_committed_at = persist.step, persist.started_at
 
     def _commit_on_rank0(self, persist: _Persist, reports: list[dict[str, Any]], world: int) -> dict[str, Any]:
         final = self.dir / step_dir_name(persist.step)

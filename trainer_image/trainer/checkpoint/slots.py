@@ -13,7 +13,9 @@ save lands in it directly, so staging a snapshot *is* writing the node-local tie
   loads from it when every guard matches and the checksum verifies; otherwise it warns and uses the next tier.
 
 Restaging a slot first removes its ``.meta``, so a crash while staging leaves that slot invalid and the other
-slots (the newest complete snapshot is never restaged) valid. The slot a persistent write is reading is locked.
+slots valid. The slot a persistent write is reading is locked; the newest complete snapshot is restaged only when
+every other slot is locked by a write that keeps an older complete snapshot (``choose``): only the slot being
+persisted is held, and a snapshot is never skipped because the disk is slow.
 """
 
 from __future__ import annotations
@@ -261,11 +263,18 @@ class SnapshotStore:
         self._prepared.start()
 
     def choose(self) -> Slot | None:
-        """A slot to stage into: never the newest complete snapshot, never one a persistent write reads.
-        None when every slot is taken (2 slots, a write in flight on the older one): the save is skipped."""
+        """A slot to stage into: never one a persistent write reads (locked), the oldest of the others, and the
+        newest complete snapshot only when every other slot is locked and one of them holds an older complete
+        snapshot (2 slots, a write in flight): that one stays valid meanwhile, so a fault while staging falls
+        back to it, and the memory tier never waits for the disk. None when no slot qualifies (the save is
+        skipped): every other slot locked without a complete snapshot."""
         newest = self.newest()
-        free = [s for s in self.slots if not s.locked and s is not newest]
-        return min(free, key=lambda s: -1 if s.step is None else s.step) if free else None
+        unlocked = [s for s in self.slots if not s.locked]
+        others = [s for s in unlocked if s is not newest]
+        if others:
+            return min(others, key=lambda s: -1 if s.step is None else s.step)
+        fallback = any(s.step is not None and s is not newest for s in self.slots)
+        return newest if newest is not None and not newest.locked and fallback else None
 
     def stage(self, slot: Slot, step: int, locals_: dict[str, torch.Tensor], pieces: dict[str, Piece],
               payload: dict[str, Any], stream: Any) -> None:
