@@ -123,3 +123,82 @@ def test_ranks_decide_identically_when_one_ranks_disk_is_slow(tmp_path):
     persisted = [int(s) for s in re.search(r"persisted \[([\d, ]+)\]", results[0]).group(1).split(", ")]
     assert 3 <= len(persisted) < 24 and persisted[-1] == 24, out  # some deferred, none lost, the final one written
     assert load_model_weights(tmp_path / "ckpt", step=24).keys()
+
+
+def test_the_final_save_writes_the_state_once(tmp_path, pg, monkeypatch, caplog):
+    """A final save (the last step, a preemption's forced save) never writes a state twice: after its step's
+    write committed it writes nothing, while that write is in flight it waits for it, and an older write still in
+    flight is cancelled (not waited for and followed by a second full write). Counted at the writer."""
+    state = make_state()
+    mgr = manager(tmp_path, interval=5, persist_every=1, keep=10)
+    written: list[str] = []
+    submit = mgr.writer.submit
+    monkeypatch.setattr(mgr.writer, "submit", lambda *a, **kw: (written.append(a[4].parent.name), submit(*a, **kw))[1])
+
+    def train_until(last: int) -> None:
+        for step in range(state["progress"].step + 1, last + 1):
+            train_step(state, step)
+            mgr.save(step, state)
+
+    def settle() -> None:  # the write in flight commits in the background (each save() polls it)
+        while mgr.persistent.inflight is not None:
+            mgr.save(state["progress"].step, state)
+            time.sleep(0.05)
+
+    try:
+        train_until(5)
+        settle()
+        train_until(10)
+        settle()
+        assert committed_steps(mgr.dir) == [5, 10]
+        assert mgr.save(10, state, force=True)  # preempted right after: the committed write is the final one
+        assert written == ["step-00000005.tmp", "step-00000010.tmp"]
+
+        monkeypatch.setenv(FAULT_ENV, "slow_write:2@15")
+        train_until(15)  # step 15's write is in flight (stalled 2 s) when the preemption's save comes
+        assert mgr.persistent.inflight.step == 15
+        assert mgr.save(15, state, force=True)
+        assert committed_steps(mgr.dir)[-1] == 15 and written.count("step-00000015.tmp") == 1
+
+        monkeypatch.setenv(FAULT_ENV, "slow_write:60@20")
+        train_until(24)  # step 20's write stalls on a slow disk
+        assert mgr.persistent.inflight.step == 20
+        train_step(state, 25)
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            assert mgr.save(25, state, last_step=True)
+        assert time.monotonic() - started < 30, "the final save waited for the superseded write"
+        assert "the write of step 20 is cancelled" in caplog.text
+        assert written == [f"step-{s:08d}.tmp" for s in (5, 10, 15, 20, 25)]  # each state submitted once
+        assert committed_steps(mgr.dir) == [5, 10, 15, 25]
+        assert not list(mgr.dir.glob("*.tmp")) and not list(mgr.dir.rglob("*.partial"))
+        shards = sorted(mgr.dir.rglob("shard-*.pt"))
+        assert [p.parent.name for p in shards] == [f"step-{s:08d}" for s in (5, 10, 15, 25)]
+        load_model_weights(mgr.dir, step=25)
+    finally:
+        mgr.close(job_over=True)
+
+
+def test_the_writer_hashes_every_chunk_of_the_file_while_writing_and_stops_when_cancelled(tmp_path, monkeypatch):
+    """Chunks small enough that they span torch's write calls and the big record spans many: every digest equals
+    the sha256 of its chunk of the file as written; a cancelled write raises and leaves no partial file."""
+    import hashlib
+
+    import torch
+
+    from trainer.checkpoint import writer
+
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(writer, "FLUSH_BYTES", 3000)
+    obj = {"a": torch.arange(5000, dtype=torch.float32), "b": torch.arange(7, dtype=torch.int8), "meta": {"step": 3}}
+    size, digests = writer.atomic_torch_save(obj, tmp_path / "shard.pt")
+    data = (tmp_path / "shard.pt").read_bytes()
+    assert size == len(data) > 20_000
+    assert digests == [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
+    assert torch.equal(torch.load(tmp_path / "shard.pt", weights_only=True)["a"], obj["a"])
+
+    cancel = torch.zeros(8, dtype=torch.uint8)
+    cancel[0] = 1
+    with pytest.raises(writer.WriteCancelled):
+        writer.atomic_torch_save(obj, tmp_path / "cancelled.pt", cancel=cancel)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.pt"]

@@ -146,8 +146,8 @@ class CheckpointManager:
             if final:
                 self._persist_final(newest)
             return True
-        if final:
-            self._drain_persist(step)  # frees the slot it holds: the final save never skips
+        if final:  # an older write still in flight is superseded: the final save writes one state, not two
+            self.persistent.cancel(superseded_by=step)
         free, idle, want, step_s, cost_s = self._agree(step)
         if not free:  # every other slot is held by a write and none holds an older snapshot to fall back to
             log.warning("memory checkpoint of step %d skipped: no snapshot slot can be restaged while keeping a "
@@ -272,16 +272,17 @@ class CheckpointManager:
             self._poll_persist(step, blocking=True)
 
     def _persist_final(self, slot: Slot) -> None:
-        """The final save of a snapshot already in memory: commit it to disk (synchronously)."""
+        """The final save of a snapshot already in memory: commit it to disk (synchronously), writing it once: its
+        own write in flight is waited for, a committed one is kept, an older write in flight is cancelled."""
         step = slot.step
         assert step is not None
         persist = self.persistent.inflight
-        if persist is not None and persist.slot is slot and not persist.abandoned:
+        if persist is not None and persist.slot is slot and persist.step == step and not persist.abandoned:
             self._drain_persist(step)
             return
-        if self.persistent.last_committed == slot.step:
+        if self.persistent.last_committed == step:
             return
-        self._drain_persist(step)
+        self.persistent.cancel(superseded_by=step)
         self.persistent.start(slot, step)
         self._complete_staging()
         self._drain_persist(step)

@@ -140,6 +140,22 @@ class PersistentTier:
                 persist.report = self.writer.poll(blocking=True)
         return persist.report is not None
 
+    def cancel(self, superseded_by: int) -> None:
+        """Drop the write in flight, this rank's part (every rank does, at the same agreed save): its writer stops
+        between chunks and removes its partial shard; the step's ``.tmp`` directory goes with the next commit's
+        retention (every rank's writer has stopped by then). The final save does this rather than wait for an
+        older state and then write the newest: one state written, not two."""
+        persist = self.inflight
+        if persist is None:
+            return
+        if persist.submitted and persist.report is None:
+            self.writer.cancel()
+            persist.report = self.writer.poll(blocking=True)
+        log.info("the write of step %d is cancelled: the final checkpoint of step %d supersedes it", persist.step,
+                 superseded_by)
+        persist.slot.locked = False
+        self.inflight = None
+
     def lag(self, step: int) -> tuple[int, float] | None:
         """(steps, seconds) from the newest committed checkpoint's snapshot to ``step`` (None: none committed)."""
         if self.last_committed is None or self.last_committed_at is None:
