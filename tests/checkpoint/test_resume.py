@@ -141,6 +141,10 @@ def _descendants(pid: int) -> set[int]:
 def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset, caplog):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
+    # Step 2 committed by a first run; the final save of the second run stalls in its write of step 4. (Within one
+    # run, a write of step 2 still in flight at the final save would be cancelled: the final save supersedes it.)
+    _run(*_args(tiny_dataset, run_dir, 2, "--checkpoint.interval=2"))
+    assert committed_steps(ckpt) == [2]
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "trainer",
            *_args(tiny_dataset, run_dir, 4, "--checkpoint.interval=2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "slow_write:120@4"}

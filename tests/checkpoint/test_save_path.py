@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
@@ -184,8 +185,6 @@ def test_the_writer_hashes_every_chunk_of_the_file_while_writing_and_stops_when_
     the sha256 of its chunk of the file as written; a cancelled write raises and leaves no partial file."""
     import hashlib
 
-    import torch
-
     from trainer.checkpoint import writer
 
     monkeypatch.setattr(writer, "CHUNK_BYTES", 1000)
@@ -202,3 +201,37 @@ def test_the_writer_hashes_every_chunk_of_the_file_while_writing_and_stops_when_
     with pytest.raises(writer.WriteCancelled):
         writer.atomic_torch_save(obj, tmp_path / "cancelled.pt", cancel=cancel)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.pt"]
+
+
+def test_the_snapshots_tensor_list_is_resolved_once_per_attempt_and_stays_exact(tmp_path, pg, monkeypatch):
+    """The state-dict walk runs at the first save only (the tensors are updated in place); the hyperparameters are
+    still read at every save (the learning rate changes every step), and a restore, which replaces the optimizer's
+    state tensors, is followed by a new walk."""
+    from trainer.checkpoint import state as state_module
+
+    walks = []
+    real = state_module.local_tensors
+    monkeypatch.setattr(state_module, "local_tensors", lambda state: (walks.append(1), real(state))[1])
+    state = make_state()
+    mgr = manager(tmp_path, interval=1, persist_every=0)
+    try:
+        for step in range(1, 5):
+            for group in state["optimizer"].param_groups:
+                group["lr"] = 1e-3 * step
+            train_step(state, step)
+            mgr.save(step, state)
+            slot = mgr.latest_in_memory()
+            tensors, _, extra = real(state)
+            assert slot.payload["param_groups"] == extra["param_groups"]
+            assert slot.payload["optim_scalars"] == extra["optim_scalars"]
+            assert all(torch.equal(slot.views[key], tensor) for key, tensor in tensors.items())
+        assert len(walks) == 1
+        restored = make_state(seed=5)
+        assert mgr.load_latest(restored) == 4
+        train_step(restored, 5)
+        mgr.save(5, restored)
+        assert len(walks) == 2
+        tensors, _, _ = real(restored)
+        assert all(torch.equal(mgr.latest_in_memory().views[key], tensor) for key, tensor in tensors.items())
+    finally:
+        mgr.close(job_over=True)

@@ -31,8 +31,11 @@ from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION, committed_steps
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
-from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, snapshot_dir
-from trainer.checkpoint.state import apply, flatten, local_piece, local_tensors, predicted_bytes, rank_state
+from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
+from trainer.checkpoint.staging import choose_copier
+from trainer.checkpoint.state import (
+    LiveState, apply, flatten, local_piece, local_tensors, predicted_bytes, rank_state,
+)
 from trainer.checkpoint.writer import Writer
 from trainer.config import CheckpointConfig
 from trainer.parallel import DistEnv
@@ -63,6 +66,9 @@ class CheckpointManager:
         self.policy = IntervalPolicy(cfg.interval, cfg.mtbf_s)
         self.persist_policy = PersistPolicy(cfg.persist_every)
         self._stream: Any = None
+        self._copier: Any = None
+        """How snapshots are copied into their slots (``staging``), chosen at the first one (after the first steps)."""
+        self._live = LiveState()
         self._bound = False
         self._closed = False
         self.rank, self.world_size = env.rank, env.world_size
@@ -90,11 +96,12 @@ class CheckpointManager:
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.snapshots.rebind(self.rank, self.world_size)
         self._bound = True
+        self._live.invalidate()  # a new attempt builds a new model and optimizer
         staged = self.snapshots.staged()
         if staged is not None:  # the attempt ended while copying: that slot is not a snapshot (fall back)
             if staged.event is not None:
                 staged.event.synchronize()
-            staged.staging, staged.event = None, None
+            staged.staging, staged.event, staged.sources_read = None, None, None
             if self.persistent.inflight is not None and self.persistent.inflight.slot is staged:
                 staged.locked, self.persistent.inflight = False, None
         self.persistent.rebind()
@@ -135,12 +142,14 @@ class CheckpointManager:
         Raises ``CheckpointStorageError`` when a write failed (e.g. disk full), naming the directory."""
         self._require_bound()
         self.policy.tick()
+        self._complete_staging(wait=False)  # a copy that finished in the background: the slot becomes a snapshot
         if self.persistent.inflight is not None:
             self._poll_persist(step)  # one tiny collective per step while a write is in flight
         final = force or last_step
         if not (final or self.policy.due(step)):
             return False
         started = time.perf_counter()
+        self._complete_staging(wait=True)  # the previous snapshot's copy (device staging: its drain) must be done
         newest = self.snapshots.newest()
         if newest is not None and newest.step == step:  # already taken (e.g. a forced save after the regular one)
             if final:
@@ -158,8 +167,7 @@ class CheckpointManager:
         self._stage(slot, step, state)
         if self.persist_policy.decide(step, want, idle, final, self.persistent.lag(step), self.persistent.writing()):
             self.persistent.start(slot, step)
-        if slot.event is None or final or not self.cfg.async_save:
-            self._complete_staging()
+        self._complete_staging(wait=final or not self.cfg.async_save)  # a copy that finished: submit its write
         if final or not self.cfg.async_save:
             self._drain_persist(step)
         self.blocking_s.append(time.perf_counter() - started)
@@ -169,13 +177,21 @@ class CheckpointManager:
         return True
 
     def wait_for_staging(self) -> None:
-        """Called before ``optimizer.step()``: blocks until the device-to-host copy of a memory checkpoint has
-        finished (CUDA), then hands the slot to the writer when it is to be persisted. Never waits for the disk."""
+        """Called before ``optimizer.step()``, which changes the tensors a snapshot copies. CUDA, device staging:
+        the training stream waits (on the device, the host does not block) for the device-to-device copy; the
+        drain to host memory goes on in the background. Otherwise: blocks until the device-to-host copy has
+        finished. A slot whose copy finished becomes a snapshot and is handed to the writer when it is to be
+        persisted. Never waits for the disk."""
         slot = self.snapshots.staged()
         if slot is None:
             return
         started = time.perf_counter()
-        self._complete_staging()
+        if slot.sources_read is not None:
+            torch.cuda.current_stream().wait_event(slot.sources_read)
+            slot.sources_read = None
+            self._complete_staging(wait=False)
+        else:
+            self._complete_staging(wait=True)
         if self.blocking_s:
             self.blocking_s[-1] += time.perf_counter() - started
 
@@ -210,6 +226,7 @@ class CheckpointManager:
             log.info("forgot the snapshots of steps %s: newer than the restored step %s, not held by every rank",
                      forgotten, step)
         self.persistent.loaded_step = step
+        self._live.invalidate()  # a restore may have replaced the optimizer's state tensors
         self.policy.next_due = max(self.policy.next_due, (step or 0) + 1)
         self._prepare_slots(state)
         return step
@@ -232,20 +249,23 @@ class CheckpointManager:
         return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4]
 
     def _stage(self, slot: Slot, step: int, state: dict[str, Any]) -> None:
-        locals_, pieces, optim_extra = local_tensors(state)
-        on_cuda = any(t.is_cuda for t in locals_.values())
-        if on_cuda and self._stream is None:
-            self._stream = torch.cuda.Stream()
+        locals_, pieces, optim_extra = self._live.get(state)
+        if self._copier is None:
+            device = next((t.device for t in locals_.values() if t.is_cuda), torch.device("cpu"))
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+            self._copier = choose_copier(self.cfg.device_staging, device, plan_layout(pieces)[1], self._stream)
         payload = {
             "format": FORMAT, "version": VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
             "rank_state": rank_state(state), **optim_extra, "config_json": self.config_json,
         }
-        self.snapshots.stage(slot, step, locals_, pieces, payload, self._stream)
+        self.snapshots.stage(slot, step, locals_, pieces, payload, self._copier)
 
-    def _complete_staging(self) -> None:
-        """The staged slot becomes a snapshot (CUDA: waits for its copy); a write waiting for it is submitted."""
+    def _complete_staging(self, wait: bool = True) -> None:
+        """The staged slot becomes a snapshot once its copy finished (``wait``: wait for it; else only when it
+        has); a write waiting for it is submitted."""
         slot = self.snapshots.staged()
-        if slot is not None:
+        if slot is not None and (wait or slot.event is None or slot.event.query()):
             self.snapshots.complete(slot)
         persist = self.persistent.inflight
         if persist is not None and not persist.submitted and persist.slot.step == persist.step:
