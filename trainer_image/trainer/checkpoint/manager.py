@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import storage
+from trainer.checkpoint import reaper, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION, committed_steps
@@ -59,6 +59,10 @@ class CheckpointManager:
         storage.check_directory(self.dir, env.rank)  # FT: a bad checkpoint.dir is exit 4 at start, not at the first save
         self.snapshots = SnapshotStore(snapshot_dir(cfg.node_local_dir, self.dir), env.rank, cfg.memory_slots,
                                        job_key(self.dir), config_json, cfg.node_local)
+        # FT: a worker restarted in place removes what dead processes of the job left in node memory, and records
+        # what it creates there itself (reaper)
+        reaper.reap(self.snapshots.dir, files=False)
+        reaper.record(self.snapshots.dir, env.rank)
         self.writer = Writer()
         self.coord = Coordination(coordination_timeout_s)
         self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
@@ -95,6 +99,7 @@ class CheckpointManager:
         self.coord.open()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.snapshots.rebind(self.rank, self.world_size)
+        reaper.record(self.snapshots.dir, self.rank)
         self._bound = True
         self._live.invalidate()  # a new attempt builds a new model and optimizer
         staged = self.snapshots.staged()
@@ -117,8 +122,9 @@ class CheckpointManager:
 
     def close(self, job_over: bool = False) -> None:
         """End of the process (idempotent; also registered with atexit): stop the writer, unmap the slots. An
-        uncommitted write is abandoned (its ``.tmp`` directory is removed by the next run). ``job_over`` (success,
-        or a permanent error) also removes this rank's node-local snapshots; otherwise they stay for a respawned
+        uncommitted write is abandoned (its ``.tmp`` directory is removed by the next run). ``job_over`` (no restart
+        of this rank on this node is coming: ``reaper.restart_in_place_expected``) also removes this rank's
+        node-local snapshots, and what dead processes of the job left there; otherwise they stay for a respawned
         worker, and ``entrypoint.sh`` removes the job's snapshot directory when the job ends."""
         if self._closed:
             return
@@ -129,6 +135,9 @@ class CheckpointManager:
             log.warning("checkpoint step %d was not committed before close(); it is abandoned", persist.step)
         self.persistent.inflight = None
         self.writer.stop(graceful=True)
+        if job_over:  # FT: and what dead processes of the job left on this node (a rank SIGKILLed before the end)
+            reaper.forget_own()
+            reaper.reap(self.snapshots.dir, files=True)
         self.snapshots.close(remove=job_over)
 
     # ---- the loop's interface -----------------------------------------------------------------------------------
