@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -41,8 +42,13 @@ class _Record:
         self.rank = 0
         self.names: dict[str, str] = {}  # name -> resource type
         self.hooked = False
+        self.lock = threading.RLock()  # objects are created and finalized from several threads (and by the GC)
 
     def write(self) -> None:
+        with self.lock:
+            self._write()
+
+    def _write(self) -> None:
         if self.path is None:
             return
         lines = [f"rank {self.rank}"] + [f"{rtype} {name}" for name, rtype in self.names.items()]
@@ -55,9 +61,10 @@ class _Record:
             log.warning("could not record this process's shared-memory names in %s: %s", self.path, exc)
 
     def remove(self) -> None:
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-        self.path = None
+        with self.lock:
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+            self.path = None
 
 
 _record = _Record()
