@@ -16,7 +16,9 @@ log = logging.getLogger(__name__)
 AUTO_FIRST_STEP = 5
 """With ``interval = "auto"``: the first snapshot, after the first steps' warm-up (compilation, allocator)."""
 AUTO_PROBE_STEPS = 5
-"""... and the second, so that one snapshot's cost has been measured before the interval is chosen."""
+"""... and the next ones, until one snapshot's cost has been measured and the interval is chosen. The first snapshot
+of a process is not measured: it pays one-time costs (the slots' reservation, the writer's start, the device
+staging buffer) that would make Young/Daly choose an interval several times too long."""
 _MIN_COST_S = 1e-3
 
 
@@ -37,6 +39,7 @@ class IntervalPolicy:
         self.chosen: int | None = None
         self._last_t: float | None = None
         self._last_was_snapshot = False
+        self._snapshots = 0
         self._plain: collections.deque[float] = collections.deque(maxlen=50)
         self._snap: collections.deque[float] = collections.deque(maxlen=8)
 
@@ -61,7 +64,8 @@ class IntervalPolicy:
     def snapshot_taken(self, step: int, step_s: float, cost_s: float) -> int | None:
         """After a snapshot at ``step``, with the agreed (maximum over ranks) step time and snapshot cost.
         Returns the newly chosen interval when ``auto`` chose one (to be logged and recorded), else None."""
-        self._last_was_snapshot = True
+        self._last_was_snapshot = self._snapshots > 0  # the first one's one-time costs are not its cost
+        self._snapshots += 1
         if not self.auto:
             return None
         if step_s <= 0 or cost_s <= 0:
