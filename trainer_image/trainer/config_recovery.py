@@ -60,11 +60,14 @@ class CheckpointConfig:
     the recovery ledger; 0 checkpoints only at the end of the run."""
     persist_every: int = 1
     """Every N-th memory checkpoint is also written to ``dir`` in the background (the persistent tier, read by
-    evaluation, the cluster layer and new nodes); 1 persists every one, 0 only the final one."""
+    evaluation, the cluster layer and new nodes); 1 persists every one, 0 only the final one. One that falls due
+    while the previous write is still running goes with the next memory checkpoint that finds the writer free (the
+    log says when the disk falls behind, and by how much)."""
     memory_slots: int = 2
-    """Snapshot slots per rank in host memory (each holds this rank's whole state). The newest complete snapshot
-    is never overwritten and a slot being persisted is locked, so with 2 a memory checkpoint is skipped while an
-    older slot is still being written; 3 never skips."""
+    """Snapshot slots per rank in host memory (each holds this rank's whole state). Only the slot being persisted
+    is held: with 2, the newest snapshot is restaged while the older one is written, and stays its fallback. A
+    memory checkpoint is never skipped because the disk is slow; a third slot keeps one more snapshot to fall
+    back to."""
     node_local: bool = True
     """Publish each snapshot on the node (a header with a checksum beside the slot file) so a worker respawned
     on the same node resumes from it instead of the disk."""
