@@ -18,6 +18,7 @@ a process of this job recorded are ever removed: never another job's entries.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -66,6 +67,18 @@ class _Record:
                 self.path.unlink(missing_ok=True)
             self.path = None
 
+    def at_exit(self) -> None:
+        """A process that holds no recorded name leaves no record (and no empty directory) behind it."""
+        with self.lock:
+            if self.path is None or self.names:
+                return
+            self.path.unlink(missing_ok=True)
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # other files are there (slots kept for a respawned worker, other owners)
+                pass
+            self.path = None
+
 
 _record = _Record()
 
@@ -74,8 +87,8 @@ def record(directory: Path, rank: int) -> None:
     """Record from now on, in ``directory/owner-<pid>``, this process's rank and every named semaphore and
     shared-memory block it creates (through ``multiprocessing.resource_tracker``, with which every non-fork
     ``multiprocessing`` object registers its name); names it unlinks leave the record. The record stays when the
-    process exits (an exit can be cut short between its atexit handlers and the finalizers that unlink the names):
-    whoever reaps after it finds the pid gone; ``forget_own`` removes it when the job is over."""
+    process exits holding names (an exit can be cut short between its atexit handlers and the finalizers that
+    unlink them): whoever reaps after it finds the pid gone; ``forget_own`` removes it when the job is over."""
     path = directory / f"{OWNER_PREFIX}{os.getpid()}"
     if _record.path is not None and _record.path != path:
         _record.remove()
@@ -98,6 +111,7 @@ def record(directory: Path, rank: int) -> None:
         unregister(name, rtype)
 
     resource_tracker.register, resource_tracker.unregister = recording_register, recording_unregister
+    atexit.register(_record.at_exit)
 
 
 def forget_own() -> None:
