@@ -57,11 +57,17 @@ part_throughput() {
   done
 }
 
-part_checkpoint() {  # the tiers: memory-checkpoint blocking vs the D2H floor, throughput, disk load vs read floor
-  timeout "${CHECKPOINT_TIMEOUT_S:-420}" torchrun --standalone --nproc-per-node "$NGPU" bench/checkpoint_bench.py \
-    --config 1b --steps 50 --every 25 --persist-every 2 --dir "$CKPT_ROOT/bench" --train.compile=false \
-    2>"$OUT/checkpoint_bench.log" | fig
-  rm -rf "$CKPT_ROOT/bench"
+part_checkpoint() {  # the tiers as a run uses them, on one GPU (18 GB of state): blocking vs the D2H floor, what a
+  # snapshot every 10 steps costs (node-local publication on, every 2nd one written to disk during the phase), the
+  # profile of one snapshot's steps, the final save, disk load vs read floor. ~3 min per mode; CKPT_DEVICE_STAGING
+  # lists the checkpoint.device_staging modes to run (default: auto; "auto off" compares with direct copies).
+  python3 -m pytest -q -p no:cacheprovider tests/checkpoint/test_device_staging.py 2>&1 | tail -3 >&2
+  for mode in ${CKPT_DEVICE_STAGING:-auto}; do
+    timeout "${CHECKPOINT_TIMEOUT_S:-300}" torchrun --standalone --nproc-per-node 1 bench/checkpoint_bench.py \
+      --config 1b --steps 60 --every 10 --persist-every 2 --profile --dir "$CKPT_ROOT/bench" --train.compile=false \
+      --checkpoint.device_staging="$mode" 2>"$OUT/checkpoint_bench-$mode.log" | fig
+    rm -rf "$CKPT_ROOT/bench"
+  done
 }
 
 part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) recovery, 1b eager on one GPU

@@ -124,7 +124,27 @@ snapshot_dir=""
 if mkdir -p -- "$node_local_dir" 2>/dev/null; then
   snapshot_dir="$(mktemp -d "$node_local_dir/resilient-train-job.XXXXXX")" && export TRAINER_SNAPSHOT_DIR="$snapshot_dir"
 fi
-trap 'rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
+# Named semaphores and shared memory that workers killed with their whole process group (resource tracker
+# included) left in /dev/shm: each worker records its own in owner-<pid> there (trainer/checkpoint/reaper.py);
+# a restarted worker removes a dead one's, and this removes the rest when the job ends. Only recorded names.
+reap_node_memory() {
+  local owner pid rtype name
+  [[ -n "$snapshot_dir" ]] || return 0
+  for owner in "$snapshot_dir"/owner-*; do
+    [[ -f "$owner" ]] || continue
+    pid="${owner##*/owner-}"
+    [[ "$pid" =~ ^[0-9]+$ ]] || continue
+    kill -0 "$pid" 2>/dev/null && continue
+    while read -r rtype name; do
+      [[ "$name" =~ ^/?[A-Za-z0-9._-]+$ ]] || continue
+      case "$rtype" in
+        semaphore) rm -f -- "/dev/shm/sem.${name#/}" ;;
+        shared_memory) rm -f -- "/dev/shm/${name#/}" ;;
+      esac
+    done < "$owner"
+  done
+}
+trap 'reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
 exit_dir="$job_tmp/exit-codes"
 mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
 export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$

@@ -13,7 +13,8 @@ from trainer.config import CheckpointConfig
 from trainer.parallel import DistEnv
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-manager = CheckpointManager(CheckpointConfig(), sys.argv[1], DistEnv.from_environ(), "{}", coordination_timeout_s=120)
+manager = CheckpointManager(CheckpointConfig(node_local_dir=str(Path(sys.argv[1]) / "node")), sys.argv[1],
+                            DistEnv.from_environ(), "{}", coordination_timeout_s=120)
 manager.bind()
 released = Path(sys.argv[1]) / "rank0-released"
 if dist.get_rank() == 1:

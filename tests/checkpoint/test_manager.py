@@ -37,7 +37,9 @@ def test_async_save_returns_before_the_write_and_snapshots_the_state(tmp_path, p
         assert mgr.latest_in_memory().step == 2
         train_step(state, 3)  # training goes on and mutates params, moments and the CPU Adam ``step`` tensors
         assert not torch.equal(snapshot(state)["optim/0/step"], before["optim/0/step"])
-        mgr.save(3, state)  # not due: polls the writer, commits if finished
+        while committed_steps(mgr.dir) != [2]:  # not due: each call polls the writer, commits once it finished
+            assert mgr.save(3, state) is False
+            time.sleep(0.1)
         mgr.save(4, state, last_step=True)
         assert committed_steps(mgr.dir) == [2, 4]
         fresh = make_state(seed=1)
@@ -182,8 +184,10 @@ def test_in_process_restart_never_waits_for_the_disk(tmp_path, pg, monkeypatch, 
         assert mgr.restored_from == "memory" and mgr.writer.busy and committed_steps(mgr.dir) == []
         assert_equal(snapshot(restored), expected)
         train_step(restored, 2)
-        mgr.save(2, restored, last_step=True)  # the earlier write commits in the background, then step 2
-        assert committed_steps(mgr.dir) == [1, 2]
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            mgr.save(2, restored, last_step=True)  # the final save supersedes step 1's write (still stalled)
+        assert "the write of step 1 is cancelled" in caplog.text
+        assert committed_steps(mgr.dir) == [2] and not list(mgr.dir.glob("*.tmp"))
     finally:
         mgr.close()
 
@@ -247,11 +251,11 @@ def test_a_blocking_save_keeps_the_rank_alive_while_the_disk_writes_within_its_b
     """The final save waits 3 s on the disk (a slow fsync). The loop's liveness signals go on meanwhile, or the
     in-job layer would take a slow disk for a hung rank and restart it into the same wait; past the write's budget
     (30 s + the shard at checkpoint.min_write_mbps; here cut to nothing) they stop, so a hung disk is still found."""
-    from trainer.checkpoint import manager as manager_module
+    from trainer.checkpoint import persistent as persistent_module
 
     monkeypatch.setenv(FAULT_ENV, "slow_write:3")
     if hung:
-        monkeypatch.setattr(manager_module, "_WRITE_GRACE_S", 0.0)
+        monkeypatch.setattr(persistent_module, "_WRITE_GRACE_S", 0.0)
     state = make_state()
     train_step(state, 1)
     mgr = manager(tmp_path, interval=5, min_write_mbps=1e9 if hung else 20.0)

@@ -29,7 +29,8 @@ N = 6
 
 def _args(dataset: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", "tiny", f"--data.path={dataset}", f"--train.run_dir={run_dir}", f"--train.steps={steps}",
-            "--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0", *extra]  # constant LR: independent of train.steps
+            "--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0",  # constant LR: independent of train.steps
+            f"--checkpoint.node_local_dir={run_dir}-node", *extra]  # not /dev/shm: a killed run leaves its slots
 
 
 def _run(*args: str) -> None:
@@ -91,7 +92,8 @@ def test_two_rank_checkpoint_loads_in_one_process(runs, tiny_dataset, tmp_path):
     straight, split = runs
     ckpt = tmp_path / "ckpt"
     shutil.copytree(straight / "checkpoints" / f"step-{N:08d}", ckpt / f"step-{N:08d}")
-    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", "--train.batch_size=16", f"--checkpoint.dir={ckpt}"])
+    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", "--train.batch_size=16", f"--checkpoint.dir={ckpt}",
+                               f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
     dataset = ShardedTokens(tiny_dataset, verify=False)
     cfg.model.vocab_size = dataset.vocab_size
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -141,6 +143,10 @@ def _descendants(pid: int) -> set[int]:
 def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset, caplog):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
+    # Step 2 committed by a first run; the final save of the second run stalls in its write of step 4. (Within one
+    # run, a write of step 2 still in flight at the final save would be cancelled: the final save supersedes it.)
+    _run(*_args(tiny_dataset, run_dir, 2, "--checkpoint.interval=2"))
+    assert committed_steps(ckpt) == [2]
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "trainer",
            *_args(tiny_dataset, run_dir, 4, "--checkpoint.interval=2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "slow_write:120@4"}
@@ -167,7 +173,8 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset,
     assert step_dir.name == "step-00000002" and manifest["world_size"] == 2
     assert (ckpt / "step-00000004.tmp").is_dir()  # the partial save is never taken for a checkpoint
     # A restart (here on one process) ignores and removes the partial one and resumes from step 2.
-    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", "--train.batch_size=16", f"--checkpoint.dir={ckpt}"])
+    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", "--train.batch_size=16", f"--checkpoint.dir={ckpt}",
+                               f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
     cfg.model.vocab_size = ShardedTokens(tiny_dataset, verify=False).vocab_size
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mgr = CheckpointManager(cfg.checkpoint, ckpt, DistEnv(0, 1, 0, 1), cfg.to_json())

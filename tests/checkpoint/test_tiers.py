@@ -152,13 +152,14 @@ def test_auto_interval_is_chosen_from_measured_costs_and_recorded(tmp_path, pg, 
     mgr.event_sink = lambda event, **fields: events.append((event, fields))
     taken = []
     try:
-        for step in range(1, 76):  # a step takes 1.0 s; a step with a snapshot 1.5 s
+        for step in range(1, 81):  # a step takes 1.0 s; a step with a snapshot 1.5 s (the first one: 10 s)
             if mgr.save(step, state):
+                now["t"] += 0.5 if taken else 9.0
                 taken.append(step)
-                now["t"] += 0.5
             now["t"] += 1.0
-        # Two probes (the second measures the first's cost), then Young/Daly: sqrt(2 * 0.5 s * 3600 s) / 1 s = 60.
-        assert taken == [5, 10, 70]
+        # Probes: the first snapshot's one-time costs are not measured, the third measures the second's cost; then
+        # Young/Daly: sqrt(2 * 0.5 s * 3600 s) / 1 s = 60.
+        assert taken == [5, 10, 15, 75]
         assert events == [("checkpoint_interval", {"steps": 60, "cost_s": 0.5, "step_s": 1.0, "mtbf_s": 3600.0})]
     finally:
         mgr.close(job_over=True)

@@ -262,3 +262,16 @@ def test_unhealthy_node_exits_201(tmp_path, tiny_dataset):
     rc, out, _ = _run(cmd, tmp_path)
     assert rc == ExitCode.UNHEALTHY_NODE, out[-4000:]
     assert "InfiniBand mlx5_0 has no ACTIVE port" in out
+
+
+def test_a_slow_disk_costs_no_snapshot_and_a_sigkill_resumes_from_the_newest(tmp_path, tiny_dataset, reference):
+    """Every persistent write stalls 3 s, far longer than a memory interval (2 steps): the memory tier still takes
+    every snapshot (only the slot being written is held), so rank 0's SIGKILL at step 9 resumes from step 8 on the
+    node, not from an older persisted checkpoint."""
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=0:9:sigkill",
+                            env={FAULT_ENV: "slow_write:3"})
+    assert rc == 0, out[-4000:]
+    restarts = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
+    assert [(r["layer"], r["resumed_step"], r["tier"]) for r in restarts] == [("injob", 8, "node-local")], out[-4000:]
+    assert "persistent tier behind" in out and not re.search(r"memory checkpoint of step \d+ skipped", out)
+    assert_same_weights(tmp_path, reference)

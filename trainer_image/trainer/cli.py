@@ -85,8 +85,12 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     finally:
         if res is not None and hasattr(res, "close"):
             # FT: a finished run or a permanent error ends the job: its node-local snapshots go with it; after a
-            # retryable exit they stay for the respawned worker (entrypoint.sh removes them when the job ends).
-            res.close(job_over=outcome is not None and not is_retryable(outcome[0]))
+            # retryable exit they stay only for a worker a launcher restarts in place (entrypoint.sh removes them
+            # when the job ends). A plain process, or torchrun's last attempt, leaves nothing in node memory.
+            from trainer.checkpoint.reaper import restart_in_place_expected
+
+            respawn = restart_in_place_expected() and (outcome is None or is_retryable(outcome[0]))
+            res.close(job_over=not respawn)
     return outcome
 
 

@@ -44,6 +44,12 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
 ``{"event": "preempted", "step"}``
     Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
     ``preemption`` unless an injected ``sigterm`` fault is pending).
+``{"event": "checkpoint_interval", "steps", "cost_s", "step_s", "mtbf_s"}``
+    Rank 0, when ``checkpoint.interval = "auto"`` chooses an interval (Young/Daly) or changes it by more than 20 %.
+``{"event": "persist_behind", "since_step", "until_step", "committed_step", "seconds", "max_lag_s", "max_lag_steps", "deferred"}``
+    Rank 0, when the persistent tier has caught up after falling behind (a write still in flight when the next
+    one fell due): from which step until which, at most how far the newest committed checkpoint lagged the
+    memory tier, and how many writes were deferred.
 ``{"event": "summary", "steps", "wall_s", "productive_s", "goodput", "faults", "restarts", "by_layer"}``
     Rank 0, at the end of training. ``productive_s`` sums the step times (``metrics.jsonl``) of the steps
     that count (the last run of each step, redone ones excluded); ``goodput = productive_s / wall_s``,

@@ -5,9 +5,13 @@ Modules mirror the design (``CHECKPOINTS.md`` describes the layout and the choic
 - ``layout``: the persistent tier's on-disk format, verification, reading on any world size (no process group);
 - ``state``: the training state as flat local tensors plus per-rank state;
 - ``slots``: snapshot slots in named shared memory: the memory and node-local tiers;
+- ``staging``: how a snapshot's tensors get into its slot (CPU copy, direct device-to-host, device staging);
+- ``reaper``: what the job leaves in node memory, and its removal when no process needs it any more;
 - ``writer``: the background writer of the persistent tier (NVRx ``AsyncCallsQueue``);
+- ``persistent``: the persistent tier: a write in flight, its commit, retention, and loading from disk;
+- ``coordination``: the manager's own gloo group, through which the ranks agree on every decision;
 - ``storage``: start-up checks of ``checkpoint.dir``, free space, retention before a save;
-- ``policy``: when a memory checkpoint is due (fixed, or Young/Daly);
+- ``policy``: when a memory checkpoint is due (fixed, or Young/Daly), and which ones are persisted;
 - ``manager``: ``CheckpointManager``, which composes them.
 
 Only this package and ``trainer.resiliency`` import NVRx.

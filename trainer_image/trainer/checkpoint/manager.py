@@ -17,58 +17,32 @@ one small all-reduce at each due step, on the manager's own gloo group.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import datetime
-import errno
-import json
 import logging
-import os
-import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import storage
-from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError, is_disk_full
-from trainer.checkpoint.layout import (
-    CORRUPT_INFIX, FORMAT, MANIFEST, MODEL_PREFIX, TMP_SUFFIX, VERSION, Piece, Shards, committed_steps,
-    find_valid_checkpoint, probe_loadable, read_manifest, shard_file_name, step_dir_name, verify_shards,
+from trainer.checkpoint import reaper, storage
+from trainer.checkpoint.coordination import Coordination
+from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
+from trainer.checkpoint.layout import FORMAT, VERSION, committed_steps
+from trainer.checkpoint.persistent import PersistentTier
+from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
+from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
+from trainer.checkpoint.staging import choose_copier
+from trainer.checkpoint.state import (
+    LiveState, apply, flatten, local_piece, local_tensors, predicted_bytes, rank_state,
 )
-from trainer.checkpoint.policy import IntervalPolicy
-from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, snapshot_dir
-from trainer.checkpoint.state import apply, flatten, local_piece, local_tensors, rank_state
-from trainer.checkpoint.writer import Writer, atomic_write_text, fsync_dir, test_fault
+from trainer.checkpoint.writer import Writer
 from trainer.config import CheckpointConfig
 from trainer.parallel import DistEnv
 
 log = logging.getLogger(__name__)
 
-_COMMIT_POLL_S = 0.05  # a blocking commit polls the ranks' writers this often
-_KEEPALIVE_S = 1.0  # while a blocking commit waits on the disk, the loop's liveness signals go out this often
-_WRITE_GRACE_S = 30.0  # ... for this long plus the shard's bytes at checkpoint.min_write_mbps
-
-
-@dataclass
-class _Persist:
-    """A snapshot being written to the persistent tier, not committed yet."""
-
-    step: int
-    slot: Slot
-    tmp_dir: Path
-    file: str
-    submitted: bool = False
-    report: dict[str, Any] | None = None
-    abandoned: bool = False
-    """Left by an attempt whose ranks did not all hold it: its write finishes in the background, unused."""
-    retried: bool = False
-    keepalive_until: float | None = None
-    """Set when a blocking wait for this write begins: until when the loop's liveness signals go on (monotonic)."""
-    alive_at: float = 0.0
-    """When they last went out (or the budget ran out: then it is past ``keepalive_until``)."""
+_SLOT_ALIGN = 64  # slots.plan_layout's alignment
 
 
 class CheckpointManager:
@@ -82,24 +56,28 @@ class CheckpointManager:
         gloo collectives cannot be aborted, so it must stay below the in-process layer's soft timeout, or a rank
         waiting here for a failed peer could not be restarted in-process."""
         self.cfg, self.dir, self.env, self.config_json = cfg, Path(directory), env, config_json
-        self.coordination_timeout_s = coordination_timeout_s
         storage.check_directory(self.dir, env.rank)  # FT: a bad checkpoint.dir is exit 4 at start, not at the first save
         self.snapshots = SnapshotStore(snapshot_dir(cfg.node_local_dir, self.dir), env.rank, cfg.memory_slots,
                                        job_key(self.dir), config_json, cfg.node_local)
+        # FT: a worker restarted in place removes what dead processes of the job left in node memory, and records
+        # what it creates there itself (reaper)
+        reaper.reap(self.snapshots.dir, files=False)
+        reaper.record(self.snapshots.dir, env.rank)
         self.writer = Writer()
+        self.coord = Coordination(coordination_timeout_s)
+        self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
+        self.persistent.keepalive = lambda: self.keepalive()
         self.policy = IntervalPolicy(cfg.interval, cfg.mtbf_s)
-        self._persist: _Persist | None = None
+        self.persist_policy = PersistPolicy(cfg.persist_every)
         self._stream: Any = None
+        self._copier: Any = None
+        """How snapshots are copied into their slots (``staging``), chosen at the first one (after the first steps)."""
+        self._live = LiveState()
         self._bound = False
         self._closed = False
-        self._group: Any = None
-        self._memory_saves = 0
-        self._save_bytes = 0
         self.rank, self.world_size = env.rank, env.world_size
-        self.loaded_step: int | None = None
         self.restored_from: str | None = None
         """The tier the last ``load_latest`` restored from: memory, node-local, disk, or None."""
-        self.last_committed: int | None = None
         self.blocking_s: list[float] = []
         """Seconds the training loop was blocked by each memory checkpoint (staging, plus the write when synchronous)."""
         self.event_sink: Callable[..., None] = lambda event, **fields: None
@@ -118,28 +96,20 @@ class CheckpointManager:
         # FT: in-process restarts re-run train() with a new process group; writer and snapshot slots live on.
         if self._closed:
             raise CheckpointError("CheckpointManager.bind() after close()")
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.coord.open()
+        self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.snapshots.rebind(self.rank, self.world_size)
-        # Its own gloo group (on CPU too, so the tests exercise the GPU path): polling never interleaves with
-        # training collectives, and unbind() can close it without touching the training process group.
-        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.coordination_timeout_s))
+        reaper.record(self.snapshots.dir, self.rank)
         self._bound = True
+        self._live.invalidate()  # a new attempt builds a new model and optimizer
         staged = self.snapshots.staged()
         if staged is not None:  # the attempt ended while copying: that slot is not a snapshot (fall back)
             if staged.event is not None:
                 staged.event.synchronize()
-            staged.staging, staged.event = None, None
-            if self._persist is not None and self._persist.slot is staged:
-                staged.locked, self._persist = False, None
-        persist = self._persist
-        mine = (persist.step, persist.submitted) if persist is not None and not persist.abandoned else None
-        if mine is not None and any(other != mine for other in self._all_gather(mine)):
-            log.info("abandoning the write of step %d: not every rank had it in flight", mine[0])
-            persist.abandoned = True  # type: ignore[union-attr]
-            if not persist.submitted:  # type: ignore[union-attr]
-                persist.slot.locked, self._persist = False, None  # type: ignore[union-attr]
-        elif mine is None:
-            self._all_gather(None)
+            staged.staging, staged.event, staged.sources_read = None, None, None
+            if self.persistent.inflight is not None and self.persistent.inflight.slot is staged:
+                staged.locked, self.persistent.inflight = False, None
+        self.persistent.rebind()
 
     def unbind(self) -> None:
         """End of an attempt, normal or failed. No collectives (the process group may be broken): a write in
@@ -148,30 +118,33 @@ class CheckpointManager:
         # sockets, so a peer blocked in one of the group's gloo collectives (they cannot be aborted) fails within a
         # second instead of waiting for the timeout, and its in-process restart can begin.
         self._bound = False
-        group, self._group = self._group, None
-        if group is not None:
-            with contextlib.suppress(Exception):  # the process group may already be broken
-                dist.destroy_process_group(group)
+        self.coord.close()
 
     def close(self, job_over: bool = False) -> None:
         """End of the process (idempotent; also registered with atexit): stop the writer, unmap the slots. An
-        uncommitted write is abandoned (its ``.tmp`` directory is removed by the next run). ``job_over`` (success,
-        or a permanent error) also removes this rank's node-local snapshots; otherwise they stay for a respawned
+        uncommitted write is abandoned (its ``.tmp`` directory is removed by the next run). ``job_over`` (no restart
+        of this rank on this node is coming: ``reaper.restart_in_place_expected``) also removes this rank's
+        node-local snapshots, and what dead processes of the job left there; otherwise they stay for a respawned
         worker, and ``entrypoint.sh`` removes the job's snapshot directory when the job ends."""
         if self._closed:
             return
         self._closed = True
         self._bound = False
-        if self._persist is not None and not self._persist.abandoned:
-            log.warning("checkpoint step %d was not committed before close(); it is abandoned", self._persist.step)
-        self._persist = None
+        persist = self.persistent.inflight
+        if persist is not None and not persist.abandoned:
+            log.warning("checkpoint step %d was not committed before close(); it is abandoned", persist.step)
+        self.persistent.inflight = None
         self.writer.stop(graceful=True)
+        if job_over:  # FT: and what dead processes of the job left on this node (a rank SIGKILLed before the end)
+            reaper.forget_own()
+            reaper.reap(self.snapshots.dir, files=True)
         self.snapshots.close(remove=job_over)
 
     # ---- the loop's interface -----------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], last_step: bool = False, force: bool = False) -> bool:
         """Called every step on every rank; takes a memory checkpoint when due (``interval``, ``last_step``) or
-        ``force``d, and persists every ``persist_every``-th one.
+        ``force``d, and persists every ``persist_every``-th one (one due while the previous write is still in
+        flight is deferred to the next memory checkpoint that finds the writer free: ``PersistPolicy``).
 
         ``force=True`` (preemption, SIGTERM) and ``last_step`` return only once the checkpoint is committed to
         disk; otherwise the call returns after staging. Returns True when a checkpoint of ``step`` was taken.
@@ -179,35 +152,34 @@ class CheckpointManager:
         self._require_bound()
         self._after_first_step()
         self.policy.tick()
-        if self._persist is not None:
-            self._poll_persist(blocking=False)  # one tiny collective per step while a write is in flight
+        self._complete_staging(wait=False)  # a copy that finished in the background: the slot becomes a snapshot
+        if self.persistent.inflight is not None:
+            self._poll_persist(step)  # one tiny collective per step while a write is in flight
         final = force or last_step
         if not (final or self.policy.due(step)):
             return False
         started = time.perf_counter()
+        self._complete_staging(wait=True)  # the previous snapshot's copy (device staging: its drain) must be done
         newest = self.snapshots.newest()
         if newest is not None and newest.step == step:  # already taken (e.g. a forced save after the regular one)
             if final:
                 self._persist_final(newest)
             return True
-        if final:
-            self._drain_persist()  # frees the slot it holds: the final save never skips
-        free, idle, step_s, cost_s = self._agree(step)
-        if not free:
-            log.warning("memory checkpoint of step %d skipped: every snapshot slot is busy (a write in flight); "
-                        "raise checkpoint.memory_slots to keep one per interval", step)
+        if final:  # an older write still in flight is superseded: the final save writes one state, not two
+            self.persistent.cancel(superseded_by=step)
+        free, idle, want, step_s, cost_s = self._agree(step)
+        if not free:  # every other slot is held by a write and none holds an older snapshot to fall back to
+            log.warning("memory checkpoint of step %d skipped: no snapshot slot can be restaged while keeping a "
+                        "complete snapshot to fall back to", step)
             return False
         slot = self.snapshots.choose()
         assert slot is not None
         self._stage(slot, step, state)
-        self._memory_saves += 1
-        every = self.cfg.persist_every
-        if final or (idle and every > 0 and self._memory_saves % every == 0):
-            self._start_persist(slot, step)
-        if slot.event is None or final or not self.cfg.async_save:
-            self._complete_staging()
+        if self.persist_policy.decide(step, want, idle, final, self.persistent.lag(step), self.persistent.writing()):
+            self.persistent.start(slot, step)
+        self._complete_staging(wait=final or not self.cfg.async_save)  # a copy that finished: submit its write
         if final or not self.cfg.async_save:
-            self._drain_persist()
+            self._drain_persist(step)
         self.blocking_s.append(time.perf_counter() - started)
         interval = self.policy.snapshot_taken(step, step_s, cost_s)
         if interval is not None:
@@ -223,13 +195,21 @@ class CheckpointManager:
             self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
 
     def wait_for_staging(self) -> None:
-        """Called before ``optimizer.step()``: blocks until the device-to-host copy of a memory checkpoint has
-        finished (CUDA), then hands the slot to the writer when it is to be persisted. Never waits for the disk."""
+        """Called before ``optimizer.step()``, which changes the tensors a snapshot copies. CUDA, device staging:
+        the training stream waits (on the device, the host does not block) for the device-to-device copy; the
+        drain to host memory goes on in the background. Otherwise: blocks until the device-to-host copy has
+        finished. A slot whose copy finished becomes a snapshot and is handed to the writer when it is to be
+        persisted. Never waits for the disk."""
         slot = self.snapshots.staged()
         if slot is None:
             return
         started = time.perf_counter()
-        self._complete_staging()
+        if slot.sources_read is not None:
+            torch.cuda.current_stream().wait_event(slot.sources_read)
+            slot.sources_read = None
+            self._complete_staging(wait=False)
+        else:
+            self._complete_staging(wait=True)
         if self.blocking_s:
             self.blocking_s[-1] += time.perf_counter() - started
 
@@ -245,9 +225,9 @@ class CheckpointManager:
         is valid. Without one, ``init_from`` warm-starts. ``while_copying`` runs while a snapshot (memory or
         node-local tier) is copied in, before its non-tensor state (RNG, data position) is applied."""
         self._require_bound()
-        self._remove_incomplete()
-        self._save_bytes = self._estimate_save_bytes(state)
-        problem = storage.room_problem(self.dir, self._save_bytes, self.cfg.keep) if self.rank == 0 else ""
+        self.persistent.remove_incomplete()
+        self.persistent.save_bytes = self.persistent.estimate_save_bytes(state)
+        problem = storage.room_problem(self.dir, self.persistent.save_bytes, self.cfg.keep) if self.rank == 0 else ""
         problem = self._broadcast(problem)
         if problem:  # FT: exit 4 at start on every rank, not mid-run
             raise CheckpointStorageError(problem)
@@ -256,14 +236,16 @@ class CheckpointManager:
         if self.cfg.resume:
             step = self._load_snapshot(state, while_copying or (lambda: None))
             if step is None:
-                step = self._load_newest_valid(state)
+                step = self.persistent.load_newest_valid(state)
+                self.restored_from = "disk" if step is not None else None
         if step is None and self.cfg.init_from:
-            self._warm_start(state)
+            self.persistent.warm_start(state)
         forgotten = self.snapshots.forget_after(step)
         if forgotten:
             log.info("forgot the snapshots of steps %s: newer than the restored step %s, not held by every rank",
                      forgotten, step)
-        self.loaded_step = step
+        self.persistent.loaded_step = step
+        self._live.invalidate()  # a restore may have replaced the optimizer's state tensors
         self.policy.next_due = max(self.policy.next_due, (step or 0) + 1)
         self._prepare_slots(state)
         return step
@@ -273,40 +255,41 @@ class CheckpointManager:
         call), so the first memory checkpoint is cheap and the restore and the first step run alone."""
         model = [local_piece(v) for v in flatten(state, model_only=True)[0].values()]
         device = next((t.device for t, _ in model if t.is_cuda), torch.device("cpu"))
-        self.snapshots.prepare(_predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
+        self.snapshots.prepare(predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
 
     # ---- memory checkpoints ----------------------------------------------------------------------------------
-    def _agree(self, step: int) -> tuple[bool, bool, float, float]:
-        """(a free slot on every rank, no write in flight on any rank, step time, snapshot cost): one all-reduce."""
+    def _agree(self, step: int) -> tuple[bool, bool, bool, float, float]:
+        """(a slot to stage into on every rank, no write in flight on any rank, a persist due on some rank, step
+        time, snapshot cost), each the same on every rank: one all-reduce."""
         step_s, cost_s = self.policy.measurements()
         free = self.snapshots.choose() is not None
-        idle = self._persist is None  # an abandoned write is cleared by save()'s poll once it finished
-        values = [float(-free), float(-idle), step_s, cost_s]
-        if self.world_size > 1:
-            tensor = torch.tensor(values, dtype=torch.float64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
-            values = tensor.tolist()
-        return values[0] < 0, values[1] < 0, values[2], values[3]
+        idle = self.persistent.inflight is None  # an abandoned write is cleared by save()'s poll once it finished
+        want = self.persist_policy.wants()
+        values = self.coord.all_reduce([float(-free), float(-idle), float(want), step_s, cost_s], dist.ReduceOp.MAX)
+        return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4]
 
     def _stage(self, slot: Slot, step: int, state: dict[str, Any]) -> None:
-        locals_, pieces, optim_extra = local_tensors(state)
-        on_cuda = any(t.is_cuda for t in locals_.values())
-        if on_cuda and self._stream is None:
-            self._stream = torch.cuda.Stream()
+        locals_, pieces, optim_extra = self._live.get(state)
+        if self._copier is None:
+            device = next((t.device for t in locals_.values() if t.is_cuda), torch.device("cpu"))
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+            self._copier = choose_copier(self.cfg.device_staging, device, plan_layout(pieces)[1], self._stream)
         payload = {
             "format": FORMAT, "version": VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
             "rank_state": rank_state(state), **optim_extra, "config_json": self.config_json,
         }
-        self.snapshots.stage(slot, step, locals_, pieces, payload, self._stream)
+        self.snapshots.stage(slot, step, locals_, pieces, payload, self._copier)
 
-    def _complete_staging(self) -> None:
-        """The staged slot becomes a snapshot (CUDA: waits for its copy); a write waiting for it is submitted."""
+    def _complete_staging(self, wait: bool = True) -> None:
+        """The staged slot becomes a snapshot once its copy finished (``wait``: wait for it; else only when it
+        has); a write waiting for it is submitted."""
         slot = self.snapshots.staged()
-        if slot is not None:
+        if slot is not None and (wait or slot.event is None or slot.event.query()):
             self.snapshots.complete(slot)
-        persist = self._persist
+        persist = self.persistent.inflight
         if persist is not None and not persist.submitted and persist.slot.step == persist.step:
-            self._submit(persist, inline=not self.cfg.async_save)
+            self.persistent.submit(persist, inline=not self.cfg.async_save)
 
     def _record_interval(self, interval: int, step_s: float, cost_s: float) -> None:
         log.info("checkpoint.interval=auto: a memory checkpoint every %d steps (Young/Daly: snapshot cost %.4f s, "
@@ -315,197 +298,34 @@ class CheckpointManager:
                         mtbf_s=self.cfg.mtbf_s)
 
     # ---- the persistent tier ---------------------------------------------------------------------------------
-    def _start_persist(self, slot: Slot, step: int) -> None:
-        tmp_dir = self.dir / (step_dir_name(step) + TMP_SUFFIX)
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        self._persist = _Persist(step, slot, tmp_dir, shard_file_name(self.rank, self.world_size))
-        slot.locked = True
+    def _poll_persist(self, step: int, blocking: bool = False) -> None:
+        committed = self.persistent.poll(blocking)
+        if committed is not None:
+            caught_up = self.persist_policy.committed(committed, step)
+            if caught_up is not None:
+                self.event_sink("persist_behind", **caught_up)
 
-    def _submit(self, persist: _Persist, inline: bool) -> None:
-        slot = persist.slot
-        assert slot.buffer is not None
-        persist.submitted = True
-        if self.rank == 0:
-            problem = storage.make_room(self.dir, self._save_bytes)  # FT: retention frees space before a save
-            if problem:
-                persist.report = {"ok": False, "errno": errno.ENOSPC, "error": problem}
-                return
-        self.writer.submit(slot.data_path, slot.buffer.numel(), slot.layout, slot.payload,
-                           persist.tmp_dir / persist.file, test_fault(persist.step), inline=inline)
-
-    def _local_done(self, blocking: bool) -> bool:
-        persist = self._persist
-        assert persist is not None
-        if persist.report is None and persist.submitted:
-            persist.report = self.writer.poll(blocking)
-            if persist.report is not None and persist.report.get("writer_died") and not persist.retried \
-                    and not persist.abandoned:
-                # FT: the writer process was killed (OOM killer, a SIGTERM to the process group while it was
-                # starting up): not a storage error. Write this shard once more, here, synchronously.
-                log.warning("%s; writing step %d's shard again in this process", persist.report["error"], persist.step)
-                persist.retried, persist.report = True, None
-                slot = persist.slot
-                assert slot.buffer is not None
-                self.writer.submit(slot.data_path, slot.buffer.numel(), slot.layout, slot.payload,
-                                   persist.tmp_dir / persist.file, "", inline=True)
-                persist.report = self.writer.poll(blocking=True)
-        return persist.report is not None
-
-    def _poll_persist(self, blocking: bool) -> None:
-        """Commit the write in flight once every rank's writer finished it. Ranks agree by polling (one tiny
-        all-reduce per poll) rather than by blocking in a collective while a peer still writes."""
-        persist = self._persist
-        assert persist is not None
-        if persist.abandoned:  # only this rank's writer is waited for, never a collective
-            if self._local_done(blocking):
-                persist.slot.locked = False
-                self._persist = None
-            return
-        while True:
-            done = persist.submitted and self._local_done(blocking=False)
-            if self.world_size > 1:
-                flag = torch.tensor([int(done)])
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-                done = bool(flag.item())
-            if done or not blocking:
-                break
-            self._keep_alive_while_written(persist)
-            time.sleep(_COMMIT_POLL_S)
-        if done:
-            self._commit()
-
-    def _keep_alive_while_written(self, persist: _Persist) -> None:
-        """FT: heartbeats stop while the loop waits on the disk, and a write's progress cannot be seen (the page
-        cache takes the bytes at once, fsync waits). Send them for as long as a write of this shard may take on
-        storage of ``checkpoint.min_write_mbps``; after that the write is taken for a hung disk."""
-        now = time.monotonic()
-        if persist.keepalive_until is None:
-            assert persist.slot.buffer is not None
-            persist.keepalive_until = now + _WRITE_GRACE_S + persist.slot.buffer.nbytes / (self.cfg.min_write_mbps * 1e6)
-        if now <= persist.keepalive_until:
-            if now - persist.alive_at >= _KEEPALIVE_S:
-                persist.alive_at = now
-                self.keepalive()
-        elif persist.alive_at <= persist.keepalive_until:  # the budget just ran out: say so once
-            persist.alive_at = now
-            log.warning("step %d's write is taking longer than its shard at checkpoint.min_write_mbps=%g allows: "
-                        "the liveness signals stop (the recovery layers restart a rank stuck on a hung disk)",
-                        persist.step, self.cfg.min_write_mbps)
-
-    def _drain_persist(self) -> None:
-        while self._persist is not None:
-            if not self._persist.submitted:
+    def _drain_persist(self, step: int) -> None:
+        while self.persistent.inflight is not None:
+            if not self.persistent.inflight.submitted:
                 self._complete_staging()
-            self._poll_persist(blocking=True)
+            self._poll_persist(step, blocking=True)
 
     def _persist_final(self, slot: Slot) -> None:
-        """The final save of a snapshot already in memory: commit it to disk (synchronously)."""
-        if self._persist is not None and self._persist.slot is slot and not self._persist.abandoned:
-            self._drain_persist()
+        """The final save of a snapshot already in memory: commit it to disk (synchronously), writing it once: its
+        own write in flight is waited for, a committed one is kept, an older write in flight is cancelled."""
+        step = slot.step
+        assert step is not None
+        persist = self.persistent.inflight
+        if persist is not None and persist.slot is slot and persist.step == step and not persist.abandoned:
+            self._drain_persist(step)
             return
-        if self.last_committed == slot.step:
+        if self.persistent.last_committed == step:
             return
-        self._drain_persist()
-        self._start_persist(slot, slot.step)  # type: ignore[arg-type]
+        self.persistent.cancel(superseded_by=step)
+        self.persistent.start(slot, step)
         self._complete_staging()
-        self._drain_persist()
-
-    def _commit(self) -> None:
-        persist = self._persist
-        assert persist is not None and persist.report is not None
-        mine = {"rank": self.rank, "file": persist.file, "report": persist.report,
-                "pieces": {k: [list(p.offset), list(p.shape)] for k, p in persist.slot.pieces.items()}}
-        everyone = self._all_gather((persist.step, mine))
-        outcome: dict[str, Any] = {"ok": True}
-        if self.rank == 0:
-            outcome = self._commit_on_rank0(persist, [m for s, m in everyone if s == persist.step], len(everyone))
-        outcome = self._broadcast(outcome)
-        persist.slot.locked = False
-        self._persist = None
-        if not outcome["ok"]:
-            raise CheckpointStorageError(outcome["message"])
-        self.last_committed = persist.step
-
-    def _commit_on_rank0(self, persist: _Persist, reports: list[dict[str, Any]], world: int) -> dict[str, Any]:
-        final = self.dir / step_dir_name(persist.step)
-        failed = [r for r in reports if not r["report"]["ok"]]
-        if len(reports) != world:
-            failed.append({"rank": "?", "report": {"ok": False, "error": "ranks saved different steps"}})
-        try:
-            if not failed:
-                manifest = self._manifest(persist, sorted(reports, key=lambda r: r["rank"]))
-                atomic_write_text(persist.tmp_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-                if final.exists():  # the same step saved again (e.g. a run restarted with resume=false)
-                    shutil.rmtree(final)
-                os.rename(persist.tmp_dir, final)
-                fsync_dir(self.dir)
-                log.info("checkpoint committed: %s (%d shards, %.1f MiB)", final, len(reports),
-                         sum(r["report"]["bytes"] for r in reports) / 2**20)
-                self._apply_retention(persist.step)
-                return {"ok": True}
-        except OSError as exc:
-            failed.append({"rank": 0, "report": {"ok": False, "errno": exc.errno, "error": f"manifest/commit: {exc}"}})
-        shutil.rmtree(persist.tmp_dir, ignore_errors=True)  # a partial save: free the space it took
-        first = failed[0]
-        full = any(is_disk_full(errno_value=f["report"].get("errno"), message=str(f["report"].get("error")))
-                   for f in failed)
-        keep = [step_dir_name(s) for s in committed_steps(self.dir)]
-        if full:
-            message = (storage.disk_full_message(self.dir, int(self._save_bytes * storage.SIZE_MARGIN))
-                       + f"; step {persist.step} was not saved, the committed checkpoints {keep} are intact")
-        else:
-            message = (f"checkpoint step {persist.step} could not be written to {self.dir}: rank {first['rank']}: "
-                       f"{first['report'].get('error')}. The partial save was removed; the committed checkpoints "
-                       f"{keep} are intact. Check the storage.")
-        log.error(message)
-        return {"ok": False, "message": message}
-
-    def _manifest(self, persist: _Persist, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        tensors: dict[str, Any] = {}
-        for key, piece in persist.slot.pieces.items():
-            tensors[key] = {
-                "global_shape": list(piece.global_shape), "dtype": str(piece.dtype).removeprefix("torch."),
-                "sharded": piece.sharded,
-                "pieces": [{"rank": r["rank"], "offset": r["pieces"][key][0], "shape": r["pieces"][key][1]} for r in reports],
-            }
-        return {
-            "format": FORMAT, "version": VERSION, "step": persist.step, "world_size": len(reports),
-            "created_unix": round(time.time(), 3), "config": json.loads(self.config_json),
-            "dataloader": persist.slot.payload["rank_state"]["dataloader"],
-            "shards": [{"rank": r["rank"], "file": r["file"], "bytes": r["report"]["bytes"],
-                        "chunk_bytes": r["report"]["chunk_bytes"], "chunk_sha256": r["report"]["chunk_sha256"]}
-                       for r in reports],
-            "tensors": tensors,
-        }
-
-    def _apply_retention(self, committed: int) -> None:
-        steps = committed_steps(self.dir)
-        for step in steps[: max(0, len(steps) - self.cfg.keep)]:
-            if step == self.loaded_step:
-                continue  # never the checkpoint this attempt was loaded from
-            shutil.rmtree(self.dir / step_dir_name(step), ignore_errors=True)
-            log.info("retention (keep=%d): removed %s", self.cfg.keep, self.dir / step_dir_name(step))
-        for tmp in self.dir.glob(f"step-*{TMP_SUFFIX}"):  # abandoned writes, finished by every rank by now
-            if tmp.name[5 : 5 + 8].isdigit() and int(tmp.name[5 : 5 + 8]) < committed:
-                shutil.rmtree(tmp, ignore_errors=True)
-
-    def _estimate_save_bytes(self, state: dict[str, Any]) -> int:
-        """The bytes of one persistent checkpoint, summed over ranks (exact once the optimizer has state)."""
-        if state["optimizer"].state:
-            mine = sum(p.dtype.itemsize * _numel(p.shape) for p in local_tensors(state)[1].values())
-        else:
-            mine = _predicted_bytes([local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()], 1)
-        return int(sum(self._all_gather(mine)))
-
-    # ---- loading (collective) ---------------------------------------------------------------------------------
-    def _remove_incomplete(self) -> None:
-        if self.rank == 0 and self.dir.is_dir():
-            keep = self._persist.tmp_dir if self._persist is not None else None
-            for tmp in self.dir.glob(f"step-*{TMP_SUFFIX}"):
-                if tmp != keep:
-                    log.warning("removing %s: a save that never committed (the process stopped mid-write)", tmp)
-                    shutil.rmtree(tmp, ignore_errors=True)
-        self._barrier()
+        self._drain_persist(step)
 
     def _load_snapshot(self, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
         """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""
@@ -540,124 +360,13 @@ class CheckpointManager:
             return step
         return None
 
-    def _load_newest_valid(self, state: dict[str, Any]) -> int | None:
-        tried: list[str] = []
-        while True:
-            candidates = committed_steps(self.dir) if self.rank == 0 else []
-            step = self._broadcast(candidates[-1] if candidates else None)
-            if step is None:
-                break
-            step_dir = self.dir / step_dir_name(step)
-            started = time.perf_counter()
-            manifest, reason, message = read_manifest(step_dir)
-            problems = [(reason, message)] if manifest is None else self._check_files(step_dir, manifest, state)
-            problems = [p for per_rank in self._all_gather(problems) for p in per_rank]
-            if not problems:
-                self._restore_from_disk(state, step_dir, manifest)  # type: ignore[arg-type]
-                self.restored_from = "disk"
-                log.info("restored step %d from %s (verified while read: %.2f s)", step, step_dir,
-                         time.perf_counter() - started)
-                return step
-            tried.append(f"{step_dir.name} ({problems[0][0]})")
-            if self.rank == 0:
-                self._quarantine(step_dir, problems)
-            self._barrier()
-        if tried:
-            raise CheckpointError(
-                f"no valid checkpoint in {self.dir}: {', '.join(tried)} failed verification and were moved aside "
-                "as *.corrupt-*; restore a good checkpoint there, or set checkpoint.resume=false to start over"
-            )
-        return None
-
-    def _check_files(self, step_dir: Path, manifest: dict[str, Any], state: dict[str, Any]) -> list[tuple[str, str]]:
-        """Verify the files this rank will read (and its share of the rest): one disk pass, the load that follows
-        reads them from the page cache. Then open them weights-only."""
-        shards = Shards(step_dir, manifest)
-        live, _ = flatten(state)
-        needed: set[int] = set(range(self.rank, len(manifest["shards"]), self.world_size))
-        try:
-            for key, value in live.items():
-                needed.update(shards.sources(key, local_piece(value)[1]))
-        except CheckpointError as exc:
-            return [("mismatch", str(exc))]
-        ranks = sorted(needed)
-        return verify_shards(step_dir, manifest, ranks, self.cfg.verify_checksums) or probe_loadable(step_dir, manifest, ranks)
-
-    def _quarantine(self, step_dir: Path, problems: list[tuple[str, str]]) -> None:
-        reason = problems[0][0]
-        target = step_dir.with_name(f"{step_dir.name}{CORRUPT_INFIX}{reason}")
-        if target.exists():
-            target = target.with_name(f"{target.name}-{int(time.time())}")
-        os.rename(step_dir, target)
-        log.error(
-            "CHECKPOINT INVALID: %s (%s: %s); moved to %s for inspection, falling back to the previous checkpoint",
-            step_dir, reason, "; ".join(m for _, m in problems[:3]), target,
-        )
-
-    def _restore_from_disk(self, state: dict[str, Any], step_dir: Path, manifest: dict[str, Any]) -> None:
-        shards = Shards(step_dir, manifest)
-        live, _ = flatten(state)
-        for key, value in live.items():
-            dst, piece = local_piece(value)
-            shards.fill(key, dst, piece)
-        source_rank = self.rank if self.rank < manifest["world_size"] else self.rank % manifest["world_size"]
-        payload = shards.file(source_rank)
-        if manifest["world_size"] != self.world_size:
-            log.warning("resharding checkpoint of %d ranks onto %d: per-rank RNG streams are taken from rank %d",
-                        manifest["world_size"], self.world_size, source_rank)
-        apply(state, live, payload, restore_ft=source_rank == self.rank)
-
-    def _warm_start(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        step_dir, manifest = find_valid_checkpoint(Path(self.cfg.init_from), checksums=self.cfg.verify_checksums)
-        shards = Shards(step_dir, manifest)
-        live, _ = flatten(state, model_only=True)
-        for key, value in live.items():
-            dst, piece = local_piece(value)
-            shards.fill(key, dst, piece)
-        set_model_state_dict(state["model"], {k[len(MODEL_PREFIX) :]: v for k, v in live.items()})
-        log.info("warm start: model weights from %s (optimizer, step and data position start fresh)", step_dir)
-
     # ---- collectives on the bound group -----------------------------------------------------------------------
     def _require_bound(self) -> None:
         if not self._bound:
             raise CheckpointError("CheckpointManager is not bound to a process group: call bind() after init_process_group")
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+        return self.coord.all_gather(obj)
 
     def _broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self._group)
-
-
-_SLOT_ALIGN = 64  # slots.plan_layout's alignment
-
-
-def _predicted_bytes(model: list[Piece], align: int) -> int:
-    """This rank's state predicted from the model alone (the optimizer may have no state yet, and creating it
-    here would change a fresh run): each parameter, AdamW's two fp32 moments and its step, each ``align``ed."""
-    def aligned(nbytes: int) -> int:
-        return -(-max(nbytes, 1) // align) * align
-
-    return sum(aligned(p.dtype.itemsize * _numel(p.shape)) + 2 * aligned(4 * _numel(p.shape)) + aligned(8)
-               for p in model)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return self.coord.broadcast(obj)

@@ -1,4 +1,5 @@
-"""When a memory checkpoint is due: every ``checkpoint.interval`` steps, or ``"auto"`` by Young/Daly."""
+"""When a memory checkpoint is due (every ``checkpoint.interval`` steps, or ``"auto"`` by Young/Daly), and which
+of them also go to the persistent tier (``PersistPolicy``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import logging
 import math
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 AUTO_FIRST_STEP = 5
 """With ``interval = "auto"``: the first snapshot, after the first steps' warm-up (compilation, allocator)."""
 AUTO_PROBE_STEPS = 5
-"""... and the second, so that one snapshot's cost has been measured before the interval is chosen."""
+"""... and the next ones, until one snapshot's cost has been measured and the interval is chosen. The first snapshot
+of a process is not measured: it pays one-time costs (the slots' reservation, the writer's start, the device
+staging buffer) that would make Young/Daly choose an interval several times too long."""
 _MIN_COST_S = 1e-3
 
 
@@ -34,6 +39,7 @@ class IntervalPolicy:
         self.chosen: int | None = None
         self._last_t: float | None = None
         self._last_was_snapshot = False
+        self._snapshots = 0
         self._plain: collections.deque[float] = collections.deque(maxlen=50)
         self._snap: collections.deque[float] = collections.deque(maxlen=8)
 
@@ -58,7 +64,8 @@ class IntervalPolicy:
     def snapshot_taken(self, step: int, step_s: float, cost_s: float) -> int | None:
         """After a snapshot at ``step``, with the agreed (maximum over ranks) step time and snapshot cost.
         Returns the newly chosen interval when ``auto`` chose one (to be logged and recorded), else None."""
-        self._last_was_snapshot = True
+        self._last_was_snapshot = self._snapshots > 0  # the first one's one-time costs are not its cost
+        self._snapshots += 1
         if not self.auto:
             return None
         if step_s <= 0 or cost_s <= 0:
@@ -69,3 +76,87 @@ class IntervalPolicy:
         changed = self.chosen is None or abs(interval - self.chosen) > 0.2 * self.chosen
         self.chosen = interval
         return interval if changed else None
+
+
+@dataclass
+class _Behind:
+    """An episode in which the persistent tier could not keep up with ``persist_every``."""
+
+    since_step: int
+    since_t: float
+    deferred: int = 1
+    max_steps: int = 0
+    max_s: float = 0.0
+
+
+class PersistPolicy:
+    """Which memory checkpoints are also written to the persistent tier: every ``persist_every``-th one. One that
+    falls due while the previous write is still in flight is not skipped: it is owed, and the next memory
+    checkpoint that finds the writer free (the newest one by then) is persisted, so the persistent tier is at
+    most one interval behind the writer's pace. The memory tier never waits for it (only the slot being
+    written is held). The log says when the persistent tier falls behind and by how much, once per episode.
+
+    Every input of ``decide`` is agreed across ranks (``CheckpointManager`` all-reduces ``wants()`` and whether a
+    write is in flight), so the ranks' counters stay identical; one that drifted (a rank that failed while
+    staging) is realigned at the next persisted checkpoint."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.since = 0
+        """Memory checkpoints taken since the last persisted one."""
+        self.owed = False
+        """A persist fell due while a write was in flight: the next memory checkpoint with the writer free is persisted."""
+        self.behind: _Behind | None = None
+
+    def wants(self) -> bool:
+        """Whether this rank's next memory checkpoint is due for the persistent tier (to be agreed: MAX over ranks)."""
+        return self.owed or (self.every > 0 and self.since + 1 >= self.every)
+
+    def decide(self, step: int, want: bool, idle: bool, final: bool, lag: tuple[int, float] | None,
+               writing: tuple[int, float] | None) -> bool:
+        """A memory checkpoint of ``step`` is taken: persist it? ``want``: agreed ``wants()``; ``idle``: no write
+        in flight on any rank; ``final``: the run's last or a preemption's checkpoint (always persisted). ``lag``:
+        (steps, seconds) since the newest committed checkpoint's snapshot, None when this process committed none;
+        ``writing``: (step, seconds running) of the write in flight. Both only go into the log."""
+        self.since += 1
+        if final or (want and idle):
+            self.since, self.owed = 0, False
+            return True
+        if want:
+            self.owed = True
+            self._fell_behind(step, lag, writing)
+        return False
+
+    def _fell_behind(self, step: int, lag: tuple[int, float] | None, writing: tuple[int, float] | None) -> None:
+        behind = self.behind
+        if behind is not None:
+            behind.deferred += 1
+        else:
+            behind = self.behind = _Behind(step, time.monotonic())
+            what = f"the write of step {writing[0]} has run {writing[1]:.1f} s" if writing else "a write"
+            how_far = (f"the newest committed checkpoint is {lag[0]} steps ({lag[1]:.1f} s) behind the memory tier"
+                       if lag else "no checkpoint committed yet by this process")
+            log.warning(
+                "persistent tier behind: step %d's memory checkpoint is due in checkpoint.dir, but %s and is still "
+                "in flight; %s. Memory checkpoints go on every interval; the newest one is written as soon as a "
+                "memory checkpoint finds the writer free. The storage writes one state slower than checkpoint."
+                "persist_every memory checkpoints: raise it, or use faster storage", step, what, how_far)
+        if lag is not None:
+            behind.max_steps, behind.max_s = max(behind.max_steps, lag[0]), max(behind.max_s, lag[1])
+
+    def committed(self, step: int, current: int) -> dict[str, Any] | None:
+        """A write of ``step`` committed during training step ``current``. When no persist fell due meanwhile, the
+        persistent tier has caught up: ends the episode with one line; returns its record for the recovery ledger
+        (else None)."""
+        behind = self.behind
+        if behind is None or self.owed:
+            return None
+        self.behind = None
+        seconds = time.monotonic() - behind.since_t
+        log.info("persistent tier caught up: step %d committed at step %d; it was behind from step %d for %d steps "
+                 "(%.1f s), at most %d steps (%.1f s) behind the memory tier, %d write(s) deferred", step, current,
+                 behind.since_step, current - behind.since_step, seconds, behind.max_steps, behind.max_s,
+                 behind.deferred)
+        return {"since_step": behind.since_step, "until_step": current, "committed_step": step,
+                "seconds": round(seconds, 3), "max_lag_steps": behind.max_steps, "max_lag_s": round(behind.max_s, 3),
+                "deferred": behind.deferred}

@@ -54,6 +54,53 @@ def local_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[
     return locals_, pieces, extra
 
 
+class LiveState:
+    """``local_tensors`` resolved once and reused while the tensors are the same objects: training updates them in
+    place, so a snapshot only needs this rank's list of local tensors, not the state-dict API's walk over the model
+    and optimizer at every save (about 25 ms for 600 tensors on CPU, on the save's critical path). The optimizer's
+    hyperparameters (the learning rate changes every step) and non-tensor state are read fresh each time.
+
+    The cache is checked against the identity of the model's parameters and the optimizer's state tensors (created
+    lazily by the first ``optimizer.step()``, replaced by a restore) and dropped by ``invalidate()``."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._locals: dict[str, torch.Tensor] = {}
+        self._pieces: dict[str, Piece] = {}
+        self._group_fqns: list[Any] = []
+        self._scalars: list[tuple[str, dict[str, Any], str]] = []
+
+    def invalidate(self) -> None:
+        self._key = None
+
+    def get(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Piece], dict[str, Any]]:
+        """``local_tensors(state)``, from the cache when it is still valid."""
+        key = _identity(state)
+        optimizer = state["optimizer"]
+        if key != self._key:
+            self._locals, self._pieces, extra = local_tensors(state)
+            self._group_fqns = [g["params"] for g in extra["param_groups"]]
+            by_fqn = {fqn: param for group, fqns in zip(optimizer.param_groups, self._group_fqns)
+                      for param, fqn in zip(group["params"], fqns)}
+            self._scalars = []
+            for name_key in extra["optim_scalars"]:
+                fqn, name = name_key[len(OPTIM_PREFIX) :].rsplit("/", 1)
+                self._scalars.append((name_key, optimizer.state[by_fqn[fqn]], name))
+            self._key = key
+            return self._locals, self._pieces, extra
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
+                  for g, fqns in zip(optimizer.param_groups, self._group_fqns)]
+        scalars = {name_key: per_param[name] for name_key, per_param, name in self._scalars}
+        return self._locals, self._pieces, {"param_groups": groups, "optim_scalars": scalars}
+
+
+def _identity(state: dict[str, Any]) -> tuple[Any, ...]:
+    optimizer = state["optimizer"]
+    return (id(state["model"]), id(optimizer), tuple(id(p) for p in state["model"].parameters()),
+            tuple(id(v) for per_param in optimizer.state.values() for v in per_param.values()
+                  if isinstance(v, torch.Tensor)))
+
+
 def rank_state(state: dict[str, Any]) -> dict[str, Any]:
     """Per-rank non-tensor-shard state: step + RNG (TrainProgress), data position, fault-tolerance client state."""
     out = {"progress": state["progress"].state_dict(), "dataloader": state["dataloader"].state_dict()}
@@ -81,3 +128,20 @@ def apply(state: dict[str, Any], live: dict[str, torch.Tensor], payload: dict[st
     state["dataloader"].load_state_dict(saved_rank_state["dataloader"])
     if restore_ft and state.get("ft") is not None and "ft" in saved_rank_state:
         state["ft"].load_state_dict(saved_rank_state["ft"])  # FT: learned heartbeat timeouts
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def predicted_bytes(model: list[Piece], align: int) -> int:
+    """This rank's state predicted from the model alone (the optimizer may have no state yet, and creating it
+    here would change a fresh run): each parameter, AdamW's two fp32 moments and its step, each ``align``ed."""
+    def aligned(nbytes: int) -> int:
+        return -(-max(nbytes, 1) // align) * align
+
+    return sum(aligned(p.dtype.itemsize * numel(p.shape)) + 2 * aligned(4 * numel(p.shape)) + aligned(8)
+               for p in model)

@@ -1,0 +1,96 @@
+"""Snapshots on CUDA, with and without device staging (checkpoint.device_staging): every tier restores the state
+bit-identical, the next optimizer step never races the copy, and the checksum computed on the device equals the
+slot's. Needs a GPU: skipped on CPU-only machines (the lead runs it with bench/gpu_suite.sh checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from statelib import MODEL, SEQ, FakeLoader, assert_equal, snapshot
+from trainer.checkpoint import CheckpointManager, committed_steps
+from trainer.checkpoint.slots import checksum
+from trainer.checkpoint.staging import DeviceStagedCopy, DirectCopy
+from trainer.checkpoint.state import local_tensors
+from trainer.config import CheckpointConfig, OptimConfig, TrainConfig
+from trainer.model import Transformer
+from trainer.parallel import DistEnv, apply_fsdp
+from trainer.train import TrainProgress, build_optimizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="device staging needs a CUDA device")
+DEVICE = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def cuda_pg():
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _state(seed: int = 0) -> dict:
+    with torch.device(DEVICE):
+        model = Transformer(MODEL, max_seq_len=SEQ)
+    model.init_weights(seed)
+    model = apply_fsdp(model, TrainConfig(device="cuda"), DEVICE)
+    optimizer = build_optimizer(model, OptimConfig())
+    return {"model": model, "optimizer": optimizer, "progress": TrainProgress(), "dataloader": FakeLoader()}
+
+
+def _step(state: dict, step: int, mgr: CheckpointManager) -> None:
+    """One step as the trainer's loop takes it: the optimizer step only after ``wait_for_staging``."""
+    tokens = torch.randint(0, MODEL.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+    logits = state["model"](tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    mgr.wait_for_staging()
+    state["optimizer"].step()
+    state["optimizer"].zero_grad(set_to_none=True)
+    state["progress"].step = step
+    state["dataloader"].position += 2
+
+
+def _manager(tmp_path, mode: str) -> CheckpointManager:
+    cfg = CheckpointConfig(interval=1, persist_every=2, keep=3, node_local_dir=str(tmp_path / "node"),
+                           device_staging=mode)
+    mgr = CheckpointManager(cfg, tmp_path / "ckpt", DistEnv(0, 1, 0, 1), config_json=json.dumps({"test": True}))
+    mgr.bind()
+    return mgr
+
+
+@pytest.mark.parametrize("mode, copier", [("on", DeviceStagedCopy), ("off", DirectCopy)])
+def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg, mode, copier):
+    state = _state()
+    mgr = _manager(tmp_path, mode)
+    try:
+        mgr.load_latest(state)
+        expected = {}
+        for step in range(1, 7):
+            _step(state, step, mgr)
+            torch.cuda.synchronize()
+            expected[step] = {k: t.detach().cpu().clone() for k, t in local_tensors(state)[0].items()}
+            mgr.save(step, state)
+        assert isinstance(mgr._copier, copier)
+        _step(state, 7, mgr)  # its optimizer step runs while step 6's copy may still drain
+        mgr.save(7, state, last_step=True)
+        torch.cuda.synchronize()
+        held = {slot.step: slot for slot in mgr.snapshots.slots if slot.step is not None}
+        assert sorted(held) == [6, 7]
+        assert all(torch.equal(held[6].views[k], v) for k, v in expected[6].items()), "step 7's update leaked in"
+        for slot in held.values():
+            assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
+        restored = _state(seed=3)
+        assert mgr.load_latest(restored) == 7 and mgr.restored_from == "memory"
+        assert_equal(snapshot(restored), snapshot(state))
+        assert committed_steps(mgr.dir)[-1] == 7
+    finally:
+        mgr.close()
+    respawned = _manager(tmp_path, mode)  # a new process on the same node: the node-local tier, checksum verified
+    try:
+        restored = _state(seed=4)
+        assert respawned.load_latest(restored) == 7 and respawned.restored_from == "node-local"
+        assert_equal(snapshot(restored), snapshot(state))
+    finally:
+        respawned.close(job_over=True)

@@ -1,0 +1,237 @@
+"""The save path against a slow persistent tier, in one process (gloo, world size 1): memory checkpoints never skip
+while a write is in flight, the persistent tier's lag is reported once per episode, and the final save writes the
+state once. 2-rank runs: slow_disk_ranks.py."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from testlib import REPO, torchrun_probe
+from trainer.checkpoint import FAULT_ENV, committed_steps, load_model_weights
+from trainer.checkpoint.slots import Slot, SnapshotStore
+
+
+def _store(tmp_path, steps_and_locks) -> SnapshotStore:
+    store = SnapshotStore(tmp_path, 0, len(steps_and_locks), "job", "{}", node_local=False)
+    for slot, (step, locked) in zip(store.slots, steps_and_locks):
+        slot.step, slot.locked = step, locked
+    return store
+
+
+def test_the_newest_snapshot_is_restaged_only_when_a_locked_one_keeps_an_older_snapshot(tmp_path):
+    # The older slot is being written to disk: restage the newest; the written one stays valid to fall back to.
+    assert _store(tmp_path, [(10, True), (20, False)]).choose().step == 20
+    # Otherwise never the newest: the oldest unlocked one (an empty slot first).
+    assert _store(tmp_path, [(10, False), (20, False)]).choose().step == 10
+    assert _store(tmp_path, [(10, False), (None, False), (20, True)]).choose().step is None
+    # The locked slot holds no complete snapshot: restaging the newest would leave nothing to fall back to.
+    assert _store(tmp_path, [(None, True), (20, False)]).choose() is None
+
+
+def test_a_slow_persistent_tier_never_makes_a_snapshot_skip(tmp_path, pg, monkeypatch, caplog):
+    """Every write stalls 1 s (a disk far slower than a step) with a memory checkpoint and a persist due at every
+    step: every step still gets its memory snapshot, only the slot being written is held, the lag is logged once,
+    and once the disk is fast again the persistent tier catches up (one line, one ledger record)."""
+    monkeypatch.setenv(FAULT_ENV, "slow_write:1")
+    state = make_state()
+    mgr = manager(tmp_path, interval=1, persist_every=1)
+    records = []
+    mgr.event_sink = lambda event, **fields: records.append((event, fields))
+    try:
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            for step in range(1, 9):
+                train_step(state, step)
+                time.sleep(0.2)
+                assert mgr.save(step, state), f"the memory checkpoint of step {step} was skipped"
+                assert mgr.latest_in_memory().step == step
+                assert sum(slot.locked for slot in mgr.snapshots.slots) <= 1
+            assert len(committed_steps(mgr.dir)) < 8  # the disk could not keep up with one write per step
+            behind = [r.getMessage() for r in caplog.records if "persistent tier behind" in r.getMessage()]
+            assert len(behind) == 1, behind  # once per episode, not every step
+            assert "still in flight" in behind[0]
+            assert not records  # not caught up yet
+            monkeypatch.delenv(FAULT_ENV)  # the disk is fast again: the next writes take milliseconds
+            step = 8
+            while not records and step < 60:
+                step += 1
+                train_step(state, step)
+                time.sleep(0.2)
+                assert mgr.save(step, state)
+                assert mgr.latest_in_memory().step == step
+        caught_up = [r.getMessage() for r in caplog.records if "persistent tier caught up" in r.getMessage()]
+        assert len(caught_up) == 1, caught_up
+        assert [event for event, _ in records] == ["persist_behind"]
+        fields = records[0][1]
+        assert fields["since_step"] == 2 and fields["deferred"] >= 2 and fields["until_step"] == step
+        assert committed_steps(mgr.dir)[-1] == fields["committed_step"] >= 9
+        assert not [r for r in caplog.records if "skipped" in r.getMessage()]
+    finally:
+        mgr.close(job_over=True)
+
+
+def test_a_fault_while_restaging_the_newest_falls_back_to_the_snapshot_being_written(tmp_path, pg, monkeypatch):
+    """2 slots, step 1 being written (its slot locked), step 2 the newest: step 3 restages step 2's slot. A fault
+    during that copy leaves step 1, still valid, to restore from in memory."""
+    monkeypatch.setenv(FAULT_ENV, "slow_write:3@1")
+    state = make_state()
+    mgr = manager(tmp_path, interval=1, persist_every=1)
+    try:
+        train_step(state, 1)
+        mgr.save(1, state)
+        at_step_1 = snapshot(state)
+        train_step(state, 2)
+        mgr.save(2, state)
+        assert mgr.snapshots.held_steps() == [1, 2] and mgr.persistent.inflight.step == 1
+        train_step(state, 3)
+        real_ensure = Slot.ensure
+
+        def ensure_then_fail(self, *args, **kwargs):
+            real_ensure(self, *args, **kwargs)
+            raise RuntimeError("injected fault while staging")
+
+        monkeypatch.setattr(Slot, "ensure", ensure_then_fail)
+        with pytest.raises(RuntimeError, match="while staging"):
+            mgr.save(3, state)
+        monkeypatch.setattr(Slot, "ensure", real_ensure)
+        assert mgr.snapshots.held_steps() == [1]
+        mgr.unbind()
+        restored = make_state(seed=2)
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mgr.bind()
+        assert mgr.load_latest(restored) == 1 and mgr.restored_from == "memory"
+        assert_equal(snapshot(restored), at_step_1)
+    finally:
+        mgr.close(job_over=True)
+
+
+@pytest.mark.multiprocess
+def test_ranks_decide_identically_when_one_ranks_disk_is_slow(tmp_path):
+    """Rank 1's writes stall, rank 0's do not: both ranks take a memory checkpoint at every step, defer and persist
+    at the same steps (one agreement all-reduce), and end with the same committed checkpoints, no hang."""
+    out = torchrun_probe(REPO / "tests" / "checkpoint" / "slow_disk_ranks.py", tmp_path,
+                         "the ranks hung: they disagreed about a save or a commit")
+    results = [(tmp_path / f"rank{rank}.result").read_text() for rank in (0, 1)]
+    assert results[0] == results[1], out
+    assert results[0].startswith("snapshots at every step 1..24"), out
+    persisted = [int(s) for s in re.search(r"persisted \[([\d, ]+)\]", results[0]).group(1).split(", ")]
+    assert 3 <= len(persisted) < 24 and persisted[-1] == 24, out  # some deferred, none lost, the final one written
+    assert load_model_weights(tmp_path / "ckpt", step=24).keys()
+
+
+def test_the_final_save_writes_the_state_once(tmp_path, pg, monkeypatch, caplog):
+    """A final save (the last step, a preemption's forced save) never writes a state twice: after its step's
+    write committed it writes nothing, while that write is in flight it waits for it, and an older write still in
+    flight is cancelled (not waited for and followed by a second full write). Counted at the writer."""
+    state = make_state()
+    mgr = manager(tmp_path, interval=5, persist_every=1, keep=10)
+    written: list[str] = []
+    submit = mgr.writer.submit
+    monkeypatch.setattr(mgr.writer, "submit", lambda *a, **kw: (written.append(a[4].parent.name), submit(*a, **kw))[1])
+
+    def train_until(last: int) -> None:
+        for step in range(state["progress"].step + 1, last + 1):
+            train_step(state, step)
+            mgr.save(step, state)
+
+    def settle() -> None:  # the write in flight commits in the background (each save() polls it)
+        while mgr.persistent.inflight is not None:
+            mgr.save(state["progress"].step, state)
+            time.sleep(0.05)
+
+    try:
+        train_until(5)
+        settle()
+        train_until(10)
+        settle()
+        assert committed_steps(mgr.dir) == [5, 10]
+        assert mgr.save(10, state, force=True)  # preempted right after: the committed write is the final one
+        assert written == ["step-00000005.tmp", "step-00000010.tmp"]
+
+        monkeypatch.setenv(FAULT_ENV, "slow_write:2@15")
+        train_until(15)  # step 15's write is in flight (stalled 2 s) when the preemption's save comes
+        assert mgr.persistent.inflight.step == 15
+        assert mgr.save(15, state, force=True)
+        assert committed_steps(mgr.dir)[-1] == 15 and written.count("step-00000015.tmp") == 1
+
+        monkeypatch.setenv(FAULT_ENV, "slow_write:60@20")
+        train_until(24)  # step 20's write stalls on a slow disk
+        assert mgr.persistent.inflight.step == 20
+        train_step(state, 25)
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            assert mgr.save(25, state, last_step=True)
+        assert time.monotonic() - started < 30, "the final save waited for the superseded write"
+        assert "the write of step 20 is cancelled" in caplog.text
+        assert written == [f"step-{s:08d}.tmp" for s in (5, 10, 15, 20, 25)]  # each state submitted once
+        assert committed_steps(mgr.dir) == [5, 10, 15, 25]
+        assert not list(mgr.dir.glob("*.tmp")) and not list(mgr.dir.rglob("*.partial"))
+        shards = sorted(mgr.dir.rglob("shard-*.pt"))
+        assert [p.parent.name for p in shards] == [f"step-{s:08d}" for s in (5, 10, 15, 25)]
+        load_model_weights(mgr.dir, step=25)
+    finally:
+        mgr.close(job_over=True)
+
+
+def test_the_writer_hashes_every_chunk_of_the_file_while_writing_and_stops_when_cancelled(tmp_path, monkeypatch):
+    """Chunks small enough that they span torch's write calls and the big record spans many: every digest equals
+    the sha256 of its chunk of the file as written; a cancelled write raises and leaves no partial file."""
+    import hashlib
+
+    from trainer.checkpoint import writer
+
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(writer, "FLUSH_BYTES", 3000)
+    obj = {"a": torch.arange(5000, dtype=torch.float32), "b": torch.arange(7, dtype=torch.int8), "meta": {"step": 3}}
+    size, digests = writer.atomic_torch_save(obj, tmp_path / "shard.pt")
+    data = (tmp_path / "shard.pt").read_bytes()
+    assert size == len(data) > 20_000
+    assert digests == [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
+    assert torch.equal(torch.load(tmp_path / "shard.pt", weights_only=True)["a"], obj["a"])
+
+    cancel = torch.zeros(8, dtype=torch.uint8)
+    cancel[0] = 1
+    with pytest.raises(writer.WriteCancelled):
+        writer.atomic_torch_save(obj, tmp_path / "cancelled.pt", cancel=cancel)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.pt"]
+
+
+def test_the_snapshots_tensor_list_is_resolved_once_per_attempt_and_stays_exact(tmp_path, pg, monkeypatch):
+    """The state-dict walk runs at the first save only (the tensors are updated in place); the hyperparameters are
+    still read at every save (the learning rate changes every step), and a restore, which replaces the optimizer's
+    state tensors, is followed by a new walk."""
+    from trainer.checkpoint import state as state_module
+
+    walks = []
+    real = state_module.local_tensors
+    monkeypatch.setattr(state_module, "local_tensors", lambda state: (walks.append(1), real(state))[1])
+    state = make_state()
+    mgr = manager(tmp_path, interval=1, persist_every=0)
+    try:
+        for step in range(1, 5):
+            for group in state["optimizer"].param_groups:
+                group["lr"] = 1e-3 * step
+            train_step(state, step)
+            mgr.save(step, state)
+            slot = mgr.latest_in_memory()
+            tensors, _, extra = real(state)
+            assert slot.payload["param_groups"] == extra["param_groups"]
+            assert slot.payload["optim_scalars"] == extra["optim_scalars"]
+            assert all(torch.equal(slot.views[key], tensor) for key, tensor in tensors.items())
+        assert len(walks) == 1
+        restored = make_state(seed=5)
+        assert mgr.load_latest(restored) == 4
+        train_step(restored, 5)
+        mgr.save(5, restored)
+        assert len(walks) == 2
+        tensors, _, _ = real(restored)
+        assert all(torch.equal(mgr.latest_in_memory().views[key], tensor) for key, tensor in tensors.items())
+    finally:
+        mgr.close(job_over=True)

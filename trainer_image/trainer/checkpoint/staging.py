@@ -1,0 +1,143 @@
+"""How a snapshot's tensors get into its slot: the only part of a memory checkpoint the training loop waits for.
+
+The copy must be finished before the next ``optimizer.step()`` changes the tensors. Three ways, one per device
+situation (``Copier.for_device``):
+
+- ``HostCopy`` (CPU): the tensors are copied into the slot; the snapshot is complete when ``save`` returns.
+- ``DirectCopy`` (CUDA): device-to-host copies into the pinned slot on a side stream, overlapping the next
+  forward and backward; the loop waits for them before ``optimizer.step()``. A large state's copy (18 GB: 0.33 s
+  at 55 GB/s) outlasts a step's forward and backward, so the step stalls for the rest.
+- ``DeviceStagedCopy`` (CUDA, ``checkpoint.device_staging``): first a device-to-device copy into a preallocated
+  device buffer laid out like the slot (HBM: ~10 ms for 18 GB), which is all the next ``optimizer.step()``
+  waits for (on the device: the host never blocks), then one device-to-host copy of that buffer into the slot
+  in the background on the side stream. The slot becomes a snapshot when that drain finishes; the next snapshot
+  is its only deadline. The node-local checksum is one reduction over the buffer.
+
+Each copier sets on the slot the events ``SnapshotStore.complete`` and the manager wait for: ``slot.event``
+(the host copy finished) and ``slot.sources_read`` (device staging: the sources were read; else None).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.slots import Layout, Slot, device_checksum, map_views
+
+log = logging.getLogger(__name__)
+
+DEVICE_MARGIN_FRACTION = 0.05
+"""``device_staging = "auto"`` keeps this fraction of the device's memory (at least ``DEVICE_MARGIN_MIN``) free
+beside the staging buffer, above the peak the training steps so far have used."""
+DEVICE_MARGIN_MIN = 2 * 2**30
+
+
+class HostCopy:
+    """CPU: a plain copy into the slot."""
+
+    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
+        for key, src in tensors.items():
+            slot.views[key].copy_(src.detach())  # also CPU-resident state (Adam step): a snapshot
+
+
+class DirectCopy:
+    """CUDA: device-to-host copies on ``stream`` straight into the pinned slot."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for key, src in tensors.items():
+                slot.views[key].copy_(src.detach(), non_blocking=True)
+            if checksum:
+                _pending(slot).copy_(device_checksum(list(tensors.values())), non_blocking=True)
+        slot.event, slot.sources_read = torch.cuda.Event(), None
+        slot.event.record(self.stream)
+
+
+class DeviceStagedCopy:
+    """CUDA: a device-to-device copy into ``buffer`` (the loop waits for that only), then one device-to-host copy
+    of the whole buffer into the slot, both on ``stream``."""
+
+    def __init__(self, stream: Any, buffer: torch.Tensor) -> None:
+        self.stream, self.buffer = stream, buffer
+        self._layout: Layout = {}
+        self._views: dict[str, torch.Tensor] = {}
+
+    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
+        nbytes = max(offset + _nbytes(dtype, shape) for dtype, offset, shape in slot.layout.values())
+        if slot.layout != self._layout:
+            if _words(nbytes) * 8 > self.buffer.numel():  # the state grew (not within a run: its tensors are fixed)
+                self.buffer = torch.empty(_words(nbytes) * 8, dtype=torch.uint8, device=self.buffer.device)
+            self.buffer.zero_()  # the padding between tensors counts as zeros in the checksum
+            self._layout, self._views = slot.layout, map_views(self.buffer, slot.layout)
+        on_device = [(self._views[k], t.detach()) for k, t in tensors.items() if t.is_cuda]
+        on_host = [(k, t.detach()) for k, t in tensors.items() if not t.is_cuda]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            if on_device:
+                torch._foreach_copy_([d for d, _ in on_device], [s for _, s in on_device])  # fused, multi-tensor
+            for key, src in on_host:  # rare (e.g. a CPU step counter): staged through the buffer as well
+                self._views[key].copy_(src, non_blocking=True)
+            slot.sources_read = torch.cuda.Event()
+            slot.sources_read.record(self.stream)  # all the training stream waits for
+            if checksum:  # one reduction over the buffer, zero padding included: the slot's checksum
+                _pending(slot).copy_(self.buffer[: _words(nbytes) * 8].view(torch.int64).sum(), non_blocking=True)
+            assert slot.buffer is not None
+            slot.buffer[:nbytes].copy_(self.buffer[:nbytes], non_blocking=True)
+        slot.event = torch.cuda.Event()
+        slot.event.record(self.stream)
+
+
+def _pending(slot: Slot) -> torch.Tensor:
+    if slot.pending_checksum is None:
+        slot.pending_checksum = torch.zeros((), dtype=torch.int64, pin_memory=True)
+    return slot.pending_checksum
+
+
+def _nbytes(dtype_name: str, shape: tuple[int, ...]) -> int:
+    n = getattr(torch, dtype_name).itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _words(nbytes: int) -> int:
+    return -(-nbytes // 8)
+
+
+def device_staging_room(nbytes: int, device: torch.device) -> tuple[bool, str]:
+    """Whether a staging buffer of ``nbytes`` fits on ``device`` beside the training's peak so far with a margin,
+    and the numbers (for the log line)."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+    room = free + max(0, cached_unused)
+    margin = max(DEVICE_MARGIN_MIN, int(DEVICE_MARGIN_FRACTION * total))
+    numbers = (f"buffer {nbytes / 2**30:.1f} GiB, room {room / 2**30:.1f} GiB beside the peak so far, margin "
+               f"{margin / 2**30:.1f} GiB of {total / 2**30:.0f} GiB")
+    return nbytes + margin <= room, numbers
+
+
+def choose_copier(mode: str, device: torch.device, nbytes: int, stream: Any) -> HostCopy | DirectCopy | DeviceStagedCopy:
+    """The copier for ``checkpoint.device_staging`` (``auto``/``on``/``off``) on ``device``; logs its choice (once per
+    process: the caller keeps the copier)."""
+    if device.type != "cuda":
+        return HostCopy()
+    if mode == "off":
+        return DirectCopy(stream)
+    fits, numbers = device_staging_room(nbytes, device)
+    if mode == "auto" and not fits:
+        log.info("checkpoint.device_staging=auto: off, snapshots are copied straight to host memory (%s)", numbers)
+        return DirectCopy(stream)
+    try:
+        buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        log.warning("checkpoint.device_staging=%s: no device memory for the staging buffer (%s); snapshots are copied "
+                    "straight to host memory", mode, numbers)
+        return DirectCopy(stream)
+    log.info("checkpoint.device_staging=%s: on, the loop waits only for a device-to-device copy (%s)", mode, numbers)
+    return DeviceStagedCopy(stream, buffer)
