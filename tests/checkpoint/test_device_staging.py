@@ -5,6 +5,11 @@ slot's. Needs a GPU: skipped on CPU-only machines (the lead runs it with bench/g
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ import torch.distributed as dist
 
 from statelib import MODEL, SEQ, FakeLoader, assert_equal, snapshot
 from trainer.checkpoint import CheckpointManager, committed_steps
-from trainer.checkpoint.slots import checksum
+from trainer.checkpoint.slots import Slot, checksum, memory_backed
 from trainer.checkpoint.staging import DeviceStagedCopy, DirectCopy
 from trainer.checkpoint.state import local_tensors
 from trainer.config import CheckpointConfig, OptimConfig, TrainConfig
@@ -52,8 +57,17 @@ def _step(state: dict, step: int, mgr: CheckpointManager) -> None:
     state["dataloader"].position += 2
 
 
-def _manager(tmp_path, mode: str) -> CheckpointManager:
-    cfg = CheckpointConfig(interval=1, persist_every=2, keep=3, node_local_dir=str(tmp_path / "node"),
+@pytest.fixture
+def shm_dir():
+    """Node-local slots where production keeps them: a memory-backed file system (Linux page-locks no file on a
+    disk, and the test's tmp_path is on one on the GPU machine)."""
+    directory = Path(tempfile.mkdtemp(prefix="test-staging-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _manager(tmp_path, mode: str, node_dir: Path) -> CheckpointManager:
+    cfg = CheckpointConfig(interval=1, persist_every=2, keep=3, node_local_dir=str(node_dir),
                            device_staging=mode)
     mgr = CheckpointManager(cfg, tmp_path / "ckpt", DistEnv(0, 1, 0, 1), config_json=json.dumps({"test": True}))
     mgr.bind()
@@ -61,9 +75,9 @@ def _manager(tmp_path, mode: str) -> CheckpointManager:
 
 
 @pytest.mark.parametrize("mode, copier", [("on", DeviceStagedCopy), ("off", DirectCopy)])
-def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg, mode, copier):
+def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg, shm_dir, mode, copier):
     state = _state()
-    mgr = _manager(tmp_path, mode)
+    mgr = _manager(tmp_path, mode, shm_dir)
     try:
         mgr.load_latest(state)
         expected = {}
@@ -78,6 +92,7 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         torch.cuda.synchronize()
         held = {slot.step: slot for slot in mgr.snapshots.slots if slot.step is not None}
         assert sorted(held) == [6, 7]
+        assert all(slot.pinned for slot in held.values()), "the slots in /dev/shm were not page-locked"
         assert all(torch.equal(held[6].views[k], v) for k, v in expected[6].items()), "step 7's update leaked in"
         for slot in held.values():
             assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
@@ -87,10 +102,30 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         assert committed_steps(mgr.dir)[-1] == 7
     finally:
         mgr.close()
-    respawned = _manager(tmp_path, mode)  # a new process on the same node: the node-local tier, checksum verified
+    respawned = _manager(tmp_path, mode, shm_dir)  # a new process on the same node: the node-local tier, checksum verified
     try:
         restored = _state(seed=4)
         assert respawned.load_latest(restored) == 7 and respawned.restored_from == "node-local"
         assert_equal(snapshot(restored), snapshot(state))
     finally:
         respawned.close(job_over=True)
+
+
+def test_slots_on_a_disk_are_used_pageable_with_one_warning(tmp_path, caplog):
+    """checkpoint.node_local_dir on a disk: the driver refuses to page-lock the mapping; the slot works pageable and
+    one WARNING says what to change, instead of every save failing."""
+    if memory_backed(tmp_path):
+        pytest.skip("tmp_path is memory-backed here: the driver page-locks it")
+    slots = [Slot(i, tmp_path / f"slot-{i}.data", tmp_path / f"slot-{i}.meta") for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.slots"):
+        for slot in slots:
+            slot.reserve(1 << 20, pin=True)
+    assert all(slot.pin_refused and not slot.pinned and slot.buffer is not None for slot in slots)
+    warned = [r for r in caplog.records if "cannot be page-locked" in r.getMessage()]
+    assert len(warned) == 1 and "checkpoint.node_local_dir" in warned[0].getMessage()
+    assert memory_backed(Path("/dev/shm")) or not Path("/dev/shm").is_dir()
+    slots[0].buffer[:4].copy_(torch.arange(4, dtype=torch.uint8, device=DEVICE), non_blocking=True)
+    torch.cuda.synchronize()
+    assert slots[0].buffer[:4].tolist() == [0, 1, 2, 3]
+    for slot in slots:
+        slot.release()

@@ -28,6 +28,8 @@ STEP_DIGITS = 8
 TMP_SUFFIX = ".tmp"
 CORRUPT_INFIX = ".corrupt-"
 PARTIAL_SUFFIX = ".partial"
+REMOVING_INFIX = ".removing-"
+"""``step-X.removing-<id>``: a checkpoint directory retention took out of the namespace, deleted in the background."""
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 CHUNK_BYTES = 64 * 2**20

@@ -135,6 +135,7 @@ class CheckpointManager:
             log.warning("checkpoint step %d was not committed before close(); it is abandoned", persist.step)
         self.persistent.inflight = None
         self.writer.stop(graceful=True)
+        storage.wait_for_removals()  # what retention took out of the namespace is gone when the process ends
         if job_over:  # FT: and what dead processes of the job left on this node (a rank SIGKILLed before the end)
             reaper.forget_own()
             reaper.reap(self.snapshots.dir, files=True)

@@ -281,11 +281,11 @@ class PersistentTier:
         for step in steps[: max(0, len(steps) - self.cfg.keep)]:
             if step == self.loaded_step:
                 continue  # never the checkpoint this attempt was loaded from
-            shutil.rmtree(self.dir / step_dir_name(step), ignore_errors=True)
+            storage.remove_in_background(self.dir / step_dir_name(step))  # FT: no rank waits for the delete
             log.info("retention (keep=%d): removed %s", self.cfg.keep, self.dir / step_dir_name(step))
         for tmp in self.dir.glob(f"step-*{TMP_SUFFIX}"):  # abandoned writes, finished by every rank by now
             if tmp.name[5 : 5 + 8].isdigit() and int(tmp.name[5 : 5 + 8]) < committed:
-                shutil.rmtree(tmp, ignore_errors=True)
+                storage.remove_in_background(tmp)
 
     def estimate_save_bytes(self, state: dict[str, Any]) -> int:
         """The bytes of one persistent checkpoint, summed over ranks (exact once the optimizer has state)."""
@@ -300,9 +300,10 @@ class PersistentTier:
         if self.rank == 0 and self.dir.is_dir():
             keep = self.inflight.tmp_dir if self.inflight is not None else None
             for tmp in self.dir.glob(f"step-*{TMP_SUFFIX}"):
-                if tmp != keep:
+                if tmp != keep:  # FT: in the background: a restarted worker's restore does not wait for it
                     log.warning("removing %s: a save that never committed (the process stopped mid-write)", tmp)
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    storage.remove_in_background(tmp)
+            storage.remove_leftovers(self.dir)
         self.coord.barrier()
 
     def load_newest_valid(self, state: dict[str, Any]) -> int | None:

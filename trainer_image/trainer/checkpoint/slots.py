@@ -149,10 +149,37 @@ def config_hash(config_json: str) -> str:
     return hashlib.sha256(config_json.encode()).hexdigest()
 
 
-def _check_cuda(status: Any, what: str) -> None:
-    code = getattr(status, "value", status)
-    if code != 0:
-        raise CheckpointError(f"{what} failed with CUDA error {code} (is /dev/shm large enough for the snapshot slots?)")
+_UNPINNED_WARNED: set[str] = set()
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+"""Where the driver can page-lock a file mapping (Linux refuses long-term pins of files on a disk)."""
+
+
+def memory_backed(path: Path) -> bool:
+    """Whether ``path`` lies on a memory file system (``/proc/self/mountinfo``; True when that cannot be read)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return True
+    target, best, kind = str(Path(path).resolve()), "", ""
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        mount = fields[4].encode().decode("unicode_escape")
+        fstype = line.split(" - ", 1)[1].split()[0]
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fstype
+    return kind in MEMORY_FILESYSTEMS
+
+
+def _warn_unpinned(directory: Path) -> None:
+    """Once per directory and process: the slots there are used without page-locking (correct, slower)."""
+    if str(directory) in _UNPINNED_WARNED:
+        return
+    _UNPINNED_WARNED.add(str(directory))
+    log.warning("snapshot slots in %s cannot be page-locked (not a memory file system: Linux page-locks files only "
+                "on tmpfs such as /dev/shm): snapshots are copied to and from the GPU through pageable memory, "
+                "several times slower; point checkpoint.node_local_dir at a tmpfs", directory)
 
 
 @dataclass
@@ -187,6 +214,8 @@ class Slot:
     """Bytes outside the current layout's tensors may be non-zero (an earlier layout was staged here)."""
     chunk_pins: list[int] = field(default_factory=list)
     """Addresses of the chunks a node-local restore page-locked (``chunked``); replaced by the slot's own pin."""
+    pin_refused: bool = False
+    """The driver refused to page-lock this slot's mapping (a file on a disk, not a tmpfs): it is used pageable."""
     ready: threading.Event = field(default_factory=threading.Event)
     """Cleared while ``SnapshotStore.prepare`` reserves this slot in the background."""
 
@@ -205,21 +234,27 @@ class Slot:
         """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
         done ahead of it by ``SnapshotStore.prepare``. A mapped slot (a discovered snapshot) is pinned in place."""
         if self.buffer is not None and self.buffer.numel() >= nbytes and (pin or not self.pinned):
-            if pin and not self.pinned:
+            if pin and not self.pinned and not self.pin_refused:
                 self._pin()
             return
         if keep_content and self.buffer is not None:
             return  # a snapshot too small for the estimate: its first restaging reallocates it
         self.release()
         self.buffer = map_file(self.data_path, nbytes, allocate=True)
-        if pin:
+        if pin and not self.pin_refused:
             self._pin()
 
     def _pin(self) -> None:
         assert self.buffer is not None
         self._unpin_chunks()
-        _check_cuda(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0),
-                    "cudaHostRegister")
+        if not memory_backed(self.data_path.parent):  # the driver would refuse (and leave a CUDA error behind)
+            self.pin_refused = True
+            _warn_unpinned(self.data_path.parent)
+            return
+        status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+        if (code := getattr(status, "value", status)) != 0:
+            raise CheckpointError(f"cudaHostRegister of a snapshot slot in {self.data_path.parent} failed with CUDA "
+                                  f"error {code}: check the memory-lock limit (ulimit -l) and /dev/shm's size")
         self.pinned = self.buffer.data_ptr()
 
     def _unpin_chunks(self) -> None:
@@ -470,7 +505,8 @@ class SnapshotStore:
         if slot is None:
             return f"no snapshot of step {step}"
         expected = self._expected_checksum.get(slot.index)
-        on_gpu = any(t.is_cuda for t in targets.values()) and all(t.is_contiguous() for t in targets.values())
+        on_gpu = (any(t.is_cuda for t in targets.values()) and all(t.is_contiguous() for t in targets.values())
+                  and memory_backed(self.dir))  # chunks are page-locked as they are copied: a tmpfs only
         if expected is None or not on_gpu:
             verified = self.verify(step)  # FT: the checksum runs while the snapshot is copied in
             for key, target in targets.items():

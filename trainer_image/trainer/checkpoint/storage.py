@@ -8,15 +8,55 @@ import errno
 import logging
 import os
 import shutil
+import threading
+import uuid
 from pathlib import Path
 
 from trainer.checkpoint.errors import CheckpointStorageError
-from trainer.checkpoint.layout import committed_steps, step_dir_name
+from trainer.checkpoint.layout import REMOVING_INFIX, committed_steps, step_dir_name
 
 log = logging.getLogger(__name__)
 
 SIZE_MARGIN = 1.02
 """A shard file is its tensors plus a little zip and pickle overhead."""
+
+
+_removals: list[threading.Thread] = []
+
+
+def remove_in_background(path: Path) -> None:
+    """Take ``path`` out of the checkpoint namespace at once (a rename to ``<name>.removing-<id>``, which no reader
+    takes for a checkpoint), then delete it in a daemon thread. Deleting a 17 GB checkpoint took 5.1 s on the H200
+    machine's disk, with every rank waiting at the commit that applied retention; the rename takes microseconds.
+    A process that dies mid-delete leaves the renamed directory, which the next start removes the same way."""
+    # FT: a rename is atomic; the delete can be interrupted at any point without leaving a half checkpoint
+    doomed = path if REMOVING_INFIX in path.name else path.with_name(f"{path.name}{REMOVING_INFIX}{uuid.uuid4().hex[:8]}")
+    try:
+        if doomed != path:
+            os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # e.g. a read-only parent: delete in place, as before
+        log.warning("could not rename %s for removal (%s); removing it in place", path, os.strerror(exc.errno or 0))
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    thread = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
+                              name="checkpoint-remove", daemon=True)
+    _removals[:] = [t for t in _removals if t.is_alive()] + [thread]
+    thread.start()
+
+
+def wait_for_removals() -> None:
+    """Block until every background removal of this process has finished (before measuring free space, at close)."""
+    for thread in list(_removals):
+        thread.join()
+    _removals[:] = [t for t in _removals if t.is_alive()]
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Directories a previous process took out of the namespace but did not finish deleting."""
+    for path in directory.glob(f"step-*{REMOVING_INFIX}*") if directory.is_dir() else []:
+        remove_in_background(path)
 
 
 def gib(nbytes: float) -> str:
@@ -82,6 +122,9 @@ def make_room(directory: Path, save_bytes: int) -> str:
     Returns '' when it fits, else the disk-full message (the save is then reported failed on every rank)."""
     needed = int(save_bytes * SIZE_MARGIN)
     free = shutil.disk_usage(directory).free
+    if free < needed:  # space being freed in the background counts before anything more is deleted
+        wait_for_removals()
+        free = shutil.disk_usage(directory).free
     steps = committed_steps(directory)
     while free < needed and len(steps) > 1:
         oldest = directory / step_dir_name(steps.pop(0))
