@@ -254,11 +254,17 @@ def test_rooms_import_only_what_they_may():
 MAX_LINES = 600
 
 
-def test_no_file_of_the_kfp_rooms_is_over_600_lines():
-    """The house rule for components/ and pipelines/ (trainer_image/ has its own split under way: widen this to
-    every project file once trainer/checkpoint/manager.py is under the limit)."""
-    long = {str(path.relative_to(REPO)): n for path in sorted((REPO / "components").rglob("*.py"))
-            + sorted((REPO / "pipelines").glob("*.py")) if (n := len(path.read_text().splitlines())) > MAX_LINES}
+def test_no_project_file_is_over_600_lines():
+    """The house rule, for every file of the project's own code, tests, benchmarks and docs (vendored CRD schemas,
+    the golden YAML and recorded benchmark output are data, not code)."""
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=False)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    data = ("deploy/crds/", "tests/pipelines/golden/", "bench/results/")
+    code = [REPO / name for name in tracked.stdout.splitlines()
+            if name.endswith((".py", ".sh", ".md", ".toml", ".yaml", ".yml", "Makefile", "Dockerfile"))
+            and not name.startswith(data)]
+    long = {str(p.relative_to(REPO)): n for p in code if p.is_file() and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines (split along a seam that is there): {long}"
 
 
