@@ -85,7 +85,7 @@ def test_real_rope_is_the_complex_one():
     xb = x.bfloat16()
     assert apply_rope(xb, tables, "real").dtype == torch.bfloat16
     torch.testing.assert_close(apply_rope(xb, tables, "real"), apply_rope(xb, tables, "complex"), rtol=0, atol=0.02)
-    assert torch.equal(apply_rope(x, tables), apply_rope(x, tables, "complex"))  # auto, not compiling: complex
+    assert torch.equal(apply_rope(x, tables), apply_rope(x, tables, "complex"))  # auto: complex
 
 
 @pytest.mark.slow
