@@ -6,6 +6,8 @@
 # Runs on the lent H200 machine (source bench/gpu_env.sh first there) or any CUDA host with the project
 # installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `recovery` alone
 # (one GPU) takes ~3 minutes; `goodput` (an 8-minute run with one exception and one SIGKILL) takes a call of its own.
+# TRAINER_OVERRIDES (word-split) is appended to the recovery and goodput runs' trainer flags, for an A/B of one key,
+# e.g. TRAINER_OVERRIDES=--checkpoint.pin_chunk_mib=1024.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/bench}"
@@ -39,7 +41,7 @@ faulty() {  # name nproc [overrides...]: the trainer under entrypoint.sh (ft_lau
   NPROC_PER_NODE=$n MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=3 \
     timeout "${FAULTY_TIMEOUT_S:-540}" trainer_image/entrypoint.sh --config 1b --data.path="$DATA" --train.run_dir="$OUT/$name" \
     --checkpoint.dir="$CKPT_ROOT/$name" --train.log_every=1 --train.compile=false \
-    --resiliency.inprocess=true "$@" >"$OUT/$name.log" 2>&1
+    --resiliency.inprocess=true "$@" ${TRAINER_OVERRIDES:-} >"$OUT/$name.log" 2>&1
   say "$name: exit $?"
 }
 

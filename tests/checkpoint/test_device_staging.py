@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from statelib import MODEL, SEQ, FakeLoader, assert_equal, snapshot
 from trainer.checkpoint import CheckpointManager, committed_steps
-from trainer.checkpoint.slots import Slot, checksum, memory_backed
+from trainer.checkpoint.chunked import memory_backed
+from trainer.checkpoint.slots import Slot, checksum
 from trainer.checkpoint.staging import DeviceStagedCopy, DirectCopy
 from trainer.checkpoint.state import local_tensors
 from trainer.config import CheckpointConfig, OptimConfig, TrainConfig
@@ -66,18 +67,20 @@ def shm_dir():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _manager(tmp_path, mode: str, node_dir: Path) -> CheckpointManager:
+def _manager(tmp_path, mode: str, node_dir: Path, piece: int = 0) -> CheckpointManager:
     cfg = CheckpointConfig(interval=1, persist_every=2, keep=3, node_local_dir=str(node_dir),
                            device_staging=mode)
     mgr = CheckpointManager(cfg, tmp_path / "ckpt", DistEnv(0, 1, 0, 1), config_json=json.dumps({"test": True}))
+    mgr.snapshots.pin_in_pieces(piece)  # checkpoint.pin_chunk_mib, in bytes: pieces far smaller than the state
     mgr.bind()
     return mgr
 
 
+@pytest.mark.parametrize("piece", [0, 64 << 10], ids=["one-registration", "pinned-in-pieces"])
 @pytest.mark.parametrize("mode, copier", [("on", DeviceStagedCopy), ("off", DirectCopy)])
-def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg, shm_dir, mode, copier):
+def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg, shm_dir, mode, copier, piece):
     state = _state()
-    mgr = _manager(tmp_path, mode, shm_dir)
+    mgr = _manager(tmp_path, mode, shm_dir, piece)
     try:
         mgr.load_latest(state)
         expected = {}
@@ -93,6 +96,7 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         held = {slot.step: slot for slot in mgr.snapshots.slots if slot.step is not None}
         assert sorted(held) == [6, 7]
         assert all(slot.pinned for slot in held.values()), "the slots in /dev/shm were not page-locked"
+        assert all(len(slot.chunk_pins) > 1 for slot in held.values()) == bool(piece)
         assert all(torch.equal(held[6].views[k], v) for k, v in expected[6].items()), "step 7's update leaked in"
         for slot in held.values():
             assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
@@ -102,7 +106,7 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         assert committed_steps(mgr.dir)[-1] == 7
     finally:
         mgr.close()
-    respawned = _manager(tmp_path, mode, shm_dir)  # a new process on the same node: the node-local tier, checksum verified
+    respawned = _manager(tmp_path, mode, shm_dir, piece)  # a new process on the same node: the node-local tier, checksum verified
     try:
         restored = _state(seed=4)
         assert respawned.load_latest(restored) == 7 and respawned.restored_from == "node-local"
@@ -117,7 +121,7 @@ def test_slots_on_a_disk_are_used_pageable_with_one_warning(tmp_path, caplog):
     if memory_backed(tmp_path):
         pytest.skip("tmp_path is memory-backed here: the driver page-locks it")
     slots = [Slot(i, tmp_path / f"slot-{i}.data", tmp_path / f"slot-{i}.meta") for i in range(2)]
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.slots"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         for slot in slots:
             slot.reserve(1 << 20, pin=True)
     assert all(slot.pin_refused and not slot.pinned and slot.buffer is not None for slot in slots)

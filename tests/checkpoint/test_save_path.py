@@ -235,3 +235,25 @@ def test_the_snapshots_tensor_list_is_resolved_once_per_attempt_and_stays_exact(
         assert all(torch.equal(mgr.latest_in_memory().views[key], tensor) for key, tensor in tensors.items())
     finally:
         mgr.close(job_over=True)
+
+
+def test_copies_split_at_the_page_locked_pieces_move_every_byte():
+    """``checkpoint.pin_chunk_mib``: a slot registered in pieces is copied one piece at a time (a copy spanning two
+    registrations may be staged through pageable memory); the split covers each tensor's bytes exactly."""
+    from trainer.checkpoint.chunked import pieces_of, split_copy
+
+    assert pieces_of(0, 10, 0) == [(0, 10)]
+    assert pieces_of(5, 20, 8) == [(5, 8), (8, 16), (16, 24), (24, 25)]
+    assert pieces_of(16, 8, 8) == [(16, 24)]
+    slot = torch.zeros(4096, dtype=torch.uint8)
+    offset = 1000
+    for tensor in (torch.randn(37, 11), torch.randn(300).bfloat16(), torch.arange(5, dtype=torch.int64)):
+        nbytes = tensor.numel() * tensor.element_size()
+        split_copy(slot, offset, tensor, 256, to_slot=True)
+        assert torch.equal(slot[offset : offset + nbytes], tensor.reshape(-1).view(torch.uint8))
+        back = torch.empty_like(tensor)
+        split_copy(slot, offset, back, 256, to_slot=False)
+        assert torch.equal(back, tensor)
+    strided = torch.randn(8, 8).t()  # read through a copy when staged; written only when contiguous
+    split_copy(slot, 0, strided, 100, to_slot=True)
+    assert torch.equal(slot[: 256].view(torch.float32).view(8, 8), strided.contiguous())

@@ -103,6 +103,13 @@ class CheckpointConfig:
     device-to-device copy. ``auto``: when the device's free memory after the first steps holds the buffer (this
     rank's whole state) with a margin (logged once); ``on``: always (warns and copies directly when it does not
     fit); ``off``: device-to-host copies that the step waits for. Ignored on CPU."""
+    pin_chunk_mib: int = 0
+    """CUDA: page-lock each snapshot slot in registrations of this many MiB, pausing after each as long as it took
+    (copies into and out of the slot are split at their boundaries); 0: one registration per slot. Registering an
+    18 GB slot in one call holds the CUDA driver for ~6 s, and the training thread's kernel launches wait: on one
+    H200 the steps right after each process start took 5.7-5.9 s (BENCHMARKS.md). In pieces, launches get through
+    between them. Not yet measured on a GPU, hence off; 1024 matches the chunks a node-local restore already
+    registers, which are then kept."""
     mtbf_s: float = 86400.0
     """Mean time between failures of the whole job, for ``interval = "auto"``."""
     keep: int = 2
@@ -137,6 +144,8 @@ class CheckpointConfig:
                 f"checkpoint.memory_slots must be >= 2 so the newest snapshot stays valid while the next is staged; "
                 f"got {self.memory_slots}"
             )
+        if self.pin_chunk_mib < 0:
+            raise ConfigError(f"checkpoint.pin_chunk_mib must be >= 0 (0 = one registration per slot); got {self.pin_chunk_mib}")
         if self.mtbf_s <= 0:
             raise ConfigError(f"checkpoint.mtbf_s must be > 0; got {self.mtbf_s}")
         if self.min_write_mbps <= 0:

@@ -7,19 +7,30 @@ Here the slot is page-locked in chunks (``CHUNK_BYTES``, page multiples) by a sm
 already locked are copied asynchronously (measured: 0.99 s), and the snapshot's checksum is computed on the GPU from
 the tensors it landed in (milliseconds), instead of a pass over host memory competing with the copy.
 
-Used by ``SnapshotStore.restore``. The chunks stay registered after the restore (``Slot.chunk_pins``); the slot's own registration replaces them when
-the slots are prepared for the next snapshots, after the first step (``SnapshotStore.prepare``).
+Used by ``SnapshotStore.restore``. The chunks stay registered after the restore (``Slot.chunk_pins``); the slot's
+own registration replaces them when the slots are prepared for the next snapshots, after the first step
+(``SnapshotStore.prepare``), unless ``checkpoint.pin_chunk_mib`` is 1024: then they are kept.
+
+Also here: page-locking a slot in pieces (``register_in_pieces``) and the copies split at those pieces
+(``split_copy``), for ``checkpoint.pin_chunk_mib``; and whether a directory can be page-locked at all
+(``memory_backed``: Linux page-locks file mappings only on memory file systems).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30
 """Bytes page-locked and copied at a time (a multiple of every page size in use)."""
@@ -75,6 +86,77 @@ def copy_in_chunks(buffer: torch.Tensor, plan: Plan, targets: dict[str, torch.Te
                 lock.result()
                 for key, at, src, length in pieces:
                     flat[key][at : at + length].copy_(buffer[src : src + length], non_blocking=True)
+
+
+UNPINNED_WARNED: set[str] = set()
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+"""Where the driver can page-lock a file mapping (Linux refuses long-term pins of files on a disk)."""
+
+
+def memory_backed(path: Path) -> bool:
+    """Whether ``path`` lies on a memory file system (``/proc/self/mountinfo``; True when that cannot be read)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return True
+    target, best, kind = str(Path(path).resolve()), "", ""
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        mount = fields[4].encode().decode("unicode_escape")
+        fstype = line.split(" - ", 1)[1].split()[0]
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fstype
+    return kind in MEMORY_FILESYSTEMS
+
+
+def warn_unpinned(directory: Path) -> None:
+    """Once per directory and process: the slots there are used without page-locking (correct, slower)."""
+    if str(directory) in UNPINNED_WARNED:
+        return
+    UNPINNED_WARNED.add(str(directory))
+    log.warning("snapshot slots in %s cannot be page-locked (not a memory file system: Linux page-locks files only "
+                "on tmpfs such as /dev/shm): snapshots are copied to and from the GPU through pageable memory, "
+                "several times slower; point checkpoint.node_local_dir at a tmpfs", directory)
+
+
+def pieces_of(start: int, length: int, piece: int) -> list[tuple[int, int]]:
+    """The byte range ``[start, start + length)`` of a slot split where its ``piece``-sized registrations meet (one
+    piece: one copy the driver sees as page-locked); ``piece`` 0: the range whole."""
+    end = start + length
+    if piece <= 0 or length <= 0:
+        return [(start, end)]
+    bounds = [start, *range((start // piece + 1) * piece, end, piece), end]
+    return list(itertools.pairwise(bounds))
+
+
+def split_copy(slot_bytes: torch.Tensor, offset: int, tensor: torch.Tensor, piece: int, to_slot: bool) -> None:
+    """Copy between ``tensor`` and its region of the slot (bytes from ``offset``), one asynchronous copy per
+    registered piece: a copy spanning two registrations may be taken for pageable memory (staged and synchronous).
+    ``to_slot=False`` needs a contiguous ``tensor`` (its bytes are written in place)."""
+    flat = tensor.reshape(-1).view(torch.uint8) if to_slot else tensor.view(-1).view(torch.uint8)
+    for a, b in pieces_of(offset, flat.numel(), piece):
+        here, there = slot_bytes[a:b], flat[a - offset : b - offset]
+        (here if to_slot else there).copy_(there if to_slot else here, non_blocking=True)
+
+
+def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int], pace: bool) -> bool:
+    """Page-lock ``buffer`` in ``piece``-byte registrations (page multiples), skipping addresses already in
+    ``registered`` (a restore's chunks of the same size) and appending each new one. ``pace``: after each piece,
+    pause as long as it took: a registration holds the CUDA driver, and the training thread's kernel launches
+    wait for it (an 18 GB slot in one call: 5.7-5.9 s steps on H200). False when the driver refused a piece."""
+    base, done = buffer.data_ptr(), set(registered)
+    for start in range(0, buffer.numel(), piece):
+        if base + start in done:
+            continue
+        began = time.perf_counter()
+        if not cuda_register(base + start, min(piece, buffer.numel() - start)):
+            return False
+        registered.append(base + start)
+        if pace:
+            time.sleep(time.perf_counter() - began)
+    return True
 
 
 def cuda_register(address: int, nbytes: int) -> bool:

@@ -59,6 +59,7 @@ class CheckpointManager:
         storage.check_directory(self.dir, env.rank)  # FT: a bad checkpoint.dir is exit 4 at start, not at the first save
         self.snapshots = SnapshotStore(snapshot_dir(cfg.node_local_dir, self.dir), env.rank, cfg.memory_slots,
                                        job_key(self.dir), config_json, cfg.node_local)
+        self.snapshots.pin_in_pieces(cfg.pin_chunk_mib << 20)
         # FT: a worker restarted in place removes what dead processes of the job left in node memory, and records
         # what it creates there itself (reaper)
         reaper.reap(self.snapshots.dir, files=False)

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.checkpoint import chunked
+from trainer.checkpoint.chunked import memory_backed, warn_unpinned
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import Piece
 
@@ -149,39 +150,6 @@ def config_hash(config_json: str) -> str:
     return hashlib.sha256(config_json.encode()).hexdigest()
 
 
-_UNPINNED_WARNED: set[str] = set()
-MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
-"""Where the driver can page-lock a file mapping (Linux refuses long-term pins of files on a disk)."""
-
-
-def memory_backed(path: Path) -> bool:
-    """Whether ``path`` lies on a memory file system (``/proc/self/mountinfo``; True when that cannot be read)."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return True
-    target, best, kind = str(Path(path).resolve()), "", ""
-    for line in lines:
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        mount = fields[4].encode().decode("unicode_escape")
-        fstype = line.split(" - ", 1)[1].split()[0]
-        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-            best, kind = mount, fstype
-    return kind in MEMORY_FILESYSTEMS
-
-
-def _warn_unpinned(directory: Path) -> None:
-    """Once per directory and process: the slots there are used without page-locking (correct, slower)."""
-    if str(directory) in _UNPINNED_WARNED:
-        return
-    _UNPINNED_WARNED.add(str(directory))
-    log.warning("snapshot slots in %s cannot be page-locked (not a memory file system: Linux page-locks files only "
-                "on tmpfs such as /dev/shm): snapshots are copied to and from the GPU through pageable memory, "
-                "several times slower; point checkpoint.node_local_dir at a tmpfs", directory)
-
-
 @dataclass
 class Slot:
     """One snapshot slot of this rank."""
@@ -214,6 +182,9 @@ class Slot:
     """Bytes outside the current layout's tensors may be non-zero (an earlier layout was staged here)."""
     chunk_pins: list[int] = field(default_factory=list)
     """Addresses of the chunks a node-local restore page-locked (``chunked``); replaced by the slot's own pin."""
+    pin_piece: int = 0
+    """Bytes per page-locked registration (``checkpoint.pin_chunk_mib``); 0: the whole slot in one. Copies to and
+    from a slot pinned in pieces are split at the pieces' boundaries (``chunked.split_copy``)."""
     pin_refused: bool = False
     """The driver refused to page-lock this slot's mapping (a file on a disk, not a tmpfs): it is used pageable."""
     ready: threading.Event = field(default_factory=threading.Event)
@@ -230,28 +201,34 @@ class Slot:
                 self.dirty = False
             self.layout, self.views = layout, map_views(self.buffer, layout)
 
-    def reserve(self, nbytes: int, pin: bool, keep_content: bool = False) -> None:
+    def reserve(self, nbytes: int, pin: bool, keep_content: bool = False, pace: bool = False) -> None:
         """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
         done ahead of it by ``SnapshotStore.prepare``. A mapped slot (a discovered snapshot) is pinned in place."""
         if self.buffer is not None and self.buffer.numel() >= nbytes and (pin or not self.pinned):
             if pin and not self.pinned and not self.pin_refused:
-                self._pin()
+                self._pin(pace)
             return
         if keep_content and self.buffer is not None:
             return  # a snapshot too small for the estimate: its first restaging reallocates it
         self.release()
         self.buffer = map_file(self.data_path, nbytes, allocate=True)
         if pin and not self.pin_refused:
-            self._pin()
+            self._pin(pace)
 
-    def _pin(self) -> None:
+    def _pin(self, pace: bool = False) -> None:
+        """Page-lock the slot: in one registration, or in ``pin_piece`` pieces (``pace``: pausing after each as long
+        as it took, so the training thread's kernel launches get the driver in between)."""
         assert self.buffer is not None
-        self._unpin_chunks()
+        if self.pin_piece != chunked.CHUNK_BYTES:  # a restore's 1 GiB chunks are kept when the pieces match them
+            self._unpin_chunks()
         if not memory_backed(self.data_path.parent):  # the driver would refuse (and leave a CUDA error behind)
             self.pin_refused = True
-            _warn_unpinned(self.data_path.parent)
+            warn_unpinned(self.data_path.parent)
             return
-        status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+        if self.pin_piece:
+            status = 0 if chunked.register_in_pieces(self.buffer, self.pin_piece, self.chunk_pins, pace) else -1
+        else:
+            status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
         if (code := getattr(status, "value", status)) != 0:
             raise CheckpointError(f"cudaHostRegister of a snapshot slot in {self.data_path.parent} failed with CUDA "
                                   f"error {code}: check the memory-lock limit (ulimit -l) and /dev/shm's size")
@@ -264,7 +241,7 @@ class Slot:
 
     def release(self) -> None:
         self._unpin_chunks()
-        if self.pinned:
+        if self.pinned and not self.pin_piece:
             torch.cuda.cudart().cudaHostUnregister(self.pinned)
         self.buffer, self.views, self.layout, self.pinned = None, {}, {}, 0
 
@@ -282,6 +259,7 @@ class SnapshotStore:
         self.dir, self.rank, self.job, self.node_local = directory, rank, job, node_local
         self.config_hash = config_hash(config_json)
         self.world_size = 1
+        self.pin_piece = 0
         self.slots = [self._slot(i) for i in range(slots)]
         self._threads: list[threading.Thread] = []
         self._expected_checksum: dict[int, int] = {}
@@ -292,7 +270,7 @@ class SnapshotStore:
 
     def _slot(self, index: int) -> Slot:
         stem = f"rank-{self.rank:05d}.slot-{index}"
-        slot = Slot(index, self.dir / f"{stem}.data", self.dir / f"{stem}.meta")
+        slot = Slot(index, self.dir / f"{stem}.data", self.dir / f"{stem}.meta", pin_piece=self.pin_piece)
         slot.published.set()
         slot.ready.set()
         return slot
@@ -305,6 +283,13 @@ class SnapshotStore:
             self.rank = rank
             self.slots = [self._slot(i) for i in range(len(self.slots))]
         self.world_size = world_size
+
+    def pin_in_pieces(self, nbytes: int) -> None:
+        """``checkpoint.pin_chunk_mib``: slots page-locked from now on are registered in pieces of ``nbytes``."""
+        self.pin_piece = nbytes
+        for slot in self.slots:
+            if not slot.pinned:
+                slot.pin_piece = nbytes
 
     # ---- saving ---------------------------------------------------------------------------------------------
     def prepare(self, nbytes: int, device: torch.device) -> None:
@@ -334,7 +319,7 @@ class SnapshotStore:
                 if pin:
                     torch.cuda.set_device(device)  # pinned for this rank's GPU context
                 for slot in order:
-                    slot.reserve(nbytes, pin, keep_content=slot.step is not None)
+                    slot.reserve(nbytes, pin, keep_content=slot.step is not None, pace=True)
                     slot.ready.set()
             except Exception as exc:  # the first save reserves (and reports) it again
                 log.warning("snapshot slots not prepared ahead of the first save: %s", exc)
@@ -510,7 +495,10 @@ class SnapshotStore:
         if expected is None or not on_gpu:
             verified = self.verify(step)  # FT: the checksum runs while the snapshot is copied in
             for key, target in targets.items():
-                target.copy_(slot.views[key], non_blocking=True)
+                if slot.pinned and slot.pin_piece and target.is_cuda and target.is_contiguous():
+                    chunked.split_copy(slot.buffer, slot.layout[key][1], target, slot.pin_piece, to_slot=False)
+                else:
+                    target.copy_(slot.views[key], non_blocking=True)
             overlap()
             return verified()
         assert slot.buffer is not None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.chunked import split_copy
 from trainer.checkpoint.slots import Layout, Slot, device_checksum, map_views
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,10 @@ class DirectCopy:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for key, src in tensors.items():
-                slot.views[key].copy_(src.detach(), non_blocking=True)
+                if slot.pinned and slot.pin_piece:  # one copy per page-locked piece
+                    split_copy(slot.buffer, slot.layout[key][1], src.detach(), slot.pin_piece, to_slot=True)
+                else:
+                    slot.views[key].copy_(src.detach(), non_blocking=True)
             if checksum:
                 _pending(slot).copy_(device_checksum(list(tensors.values())), non_blocking=True)
         slot.event, slot.sources_read = torch.cuda.Event(), None
@@ -88,7 +92,10 @@ class DeviceStagedCopy:
             if checksum:  # one reduction over the buffer, zero padding included: the slot's checksum
                 _pending(slot).copy_(self.buffer[: _words(nbytes) * 8].view(torch.int64).sum(), non_blocking=True)
             assert slot.buffer is not None
-            slot.buffer[:nbytes].copy_(self.buffer[:nbytes], non_blocking=True)
+            if slot.pinned and slot.pin_piece:
+                split_copy(slot.buffer, 0, self.buffer[:nbytes], slot.pin_piece, to_slot=True)
+            else:
+                slot.buffer[:nbytes].copy_(self.buffer[:nbytes], non_blocking=True)
         slot.event = torch.cuda.Event()
         slot.event.record(self.stream)
 
