@@ -257,3 +257,21 @@ def test_copies_split_at_the_page_locked_pieces_move_every_byte():
     strided = torch.randn(8, 8).t()  # read through a copy when staged; written only when contiguous
     split_copy(slot, 0, strided, 100, to_slot=True)
     assert torch.equal(slot[: 256].view(torch.float32).view(8, 8), strided.contiguous())
+
+
+def test_page_locking_in_pieces_skips_what_a_restore_locked_and_pauses_after_each(monkeypatch):
+    """The loop of ``register_in_pieces`` (the driver call itself needs a GPU: the staging test runs it there)."""
+    from trainer.checkpoint import chunked
+
+    calls, pauses = [], []
+    monkeypatch.setattr(chunked, "cuda_register", lambda address, nbytes: calls.append((address, nbytes)) or True)
+    buffer = torch.zeros(10 * 1024, dtype=torch.uint8)
+    base = buffer.data_ptr()
+    registered = [base + 4096]  # a restore's chunk of the same size
+    assert chunked.register_in_pieces(buffer, 4096, registered, pauses.append)
+    assert calls == [(base, 4096), (base + 8192, 2048)]
+    assert registered == [base + 4096, base, base + 8192] and len(pauses) == 2 and min(pauses) >= 0
+    monkeypatch.setattr(chunked, "cuda_register", lambda address, nbytes: address == base)  # the driver refuses
+    kept: list[int] = []
+    assert not chunked.register_in_pieces(buffer, 4096, kept)
+    assert kept == [base]  # what was locked stays recorded, for release() to undo

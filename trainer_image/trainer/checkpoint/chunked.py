@@ -141,11 +141,12 @@ def split_copy(slot_bytes: torch.Tensor, offset: int, tensor: torch.Tensor, piec
         (here if to_slot else there).copy_(there if to_slot else here, non_blocking=True)
 
 
-def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int], pace: bool) -> bool:
+def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int],
+                       pause: Callable[[float], Any] | None = None) -> bool:
     """Page-lock ``buffer`` in ``piece``-byte registrations (page multiples), skipping addresses already in
-    ``registered`` (a restore's chunks of the same size) and appending each new one. ``pace``: after each piece,
-    pause as long as it took: a registration holds the CUDA driver, and the training thread's kernel launches
-    wait for it (an 18 GB slot in one call: 5.7-5.9 s steps on H200). False when the driver refused a piece."""
+    ``registered`` (a restore's chunks of the same size) and appending each new one. ``pause(seconds)`` after each
+    piece, with the seconds it took: a registration holds the CUDA driver, and the training thread's kernel
+    launches wait for it (an 18 GB slot in one call: 5.7-5.9 s steps on H200). False when the driver refused."""
     base, done = buffer.data_ptr(), set(registered)
     for start in range(0, buffer.numel(), piece):
         if base + start in done:
@@ -154,8 +155,8 @@ def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int], 
         if not cuda_register(base + start, min(piece, buffer.numel() - start)):
             return False
         registered.append(base + start)
-        if pace:
-            time.sleep(time.perf_counter() - began)
+        if pause is not None:
+            pause(time.perf_counter() - began)
     return True
 
 

@@ -201,23 +201,23 @@ class Slot:
                 self.dirty = False
             self.layout, self.views = layout, map_views(self.buffer, layout)
 
-    def reserve(self, nbytes: int, pin: bool, keep_content: bool = False, pace: bool = False) -> None:
+    def reserve(self, nbytes: int, pin: bool, keep_content: bool = False, pause: Any = None) -> None:
         """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
         done ahead of it by ``SnapshotStore.prepare``. A mapped slot (a discovered snapshot) is pinned in place."""
         if self.buffer is not None and self.buffer.numel() >= nbytes and (pin or not self.pinned):
             if pin and not self.pinned and not self.pin_refused:
-                self._pin(pace)
+                self._pin(pause)
             return
         if keep_content and self.buffer is not None:
             return  # a snapshot too small for the estimate: its first restaging reallocates it
         self.release()
         self.buffer = map_file(self.data_path, nbytes, allocate=True)
         if pin and not self.pin_refused:
-            self._pin(pace)
+            self._pin(pause)
 
-    def _pin(self, pace: bool = False) -> None:
-        """Page-lock the slot: in one registration, or in ``pin_piece`` pieces (``pace``: pausing after each as long
-        as it took, so the training thread's kernel launches get the driver in between)."""
+    def _pin(self, pause: Any = None) -> None:
+        """Page-lock the slot: in one registration, or in ``pin_piece`` pieces (``pause(seconds)`` after each, given
+        how long it took, so the training thread's kernel launches get the driver in between)."""
         assert self.buffer is not None
         if self.pin_piece != chunked.CHUNK_BYTES:  # a restore's 1 GiB chunks are kept when the pieces match them
             self._unpin_chunks()
@@ -226,7 +226,7 @@ class Slot:
             warn_unpinned(self.data_path.parent)
             return
         if self.pin_piece:
-            status = 0 if chunked.register_in_pieces(self.buffer, self.pin_piece, self.chunk_pins, pace) else -1
+            status = 0 if chunked.register_in_pieces(self.buffer, self.pin_piece, self.chunk_pins, pause) else -1
         else:
             status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
         if (code := getattr(status, "value", status)) != 0:
@@ -265,6 +265,7 @@ class SnapshotStore:
         self._expected_checksum: dict[int, int] = {}
         """Slot index -> checksum its header promises, for snapshots discovered from a previous process."""
         self._prepared: threading.Thread | None = None
+        self._urgent = threading.Event()
         self._prepare_started = False
         self._prepare_request: tuple[int, torch.device] | None = None
 
@@ -319,7 +320,8 @@ class SnapshotStore:
                 if pin:
                     torch.cuda.set_device(device)  # pinned for this rank's GPU context
                 for slot in order:
-                    slot.reserve(nbytes, pin, keep_content=slot.step is not None, pace=True)
+                    # FT: paced while no save waits for a slot; a save that does ends the pauses (urgent)
+                    slot.reserve(nbytes, pin, keep_content=slot.step is not None, pause=self._urgent.wait)
                     slot.ready.set()
             except Exception as exc:  # the first save reserves (and reports) it again
                 log.warning("snapshot slots not prepared ahead of the first save: %s", exc)
@@ -348,6 +350,8 @@ class SnapshotStore:
               payload: dict[str, Any], copier: Any) -> None:
         """Copy this rank's tensors into ``slot`` with ``copier`` (``staging``: synchronously on CPU, on a side
         stream on CUDA, where the slot becomes a snapshot at ``complete``)."""
+        if not slot.ready.is_set():
+            self._urgent.set()  # page-locking in pieces stops pausing: this save waits for it
         slot.ready.wait()  # reserved in the background (start_prepare)
         slot.invalidate()
         layout, nbytes = plan_layout(pieces)
