@@ -14,13 +14,11 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# --no-compile: no bytecode for the ~20k modules installed (torch alone: ~25 s on 2 cores); Python compiles what
-# is imported, once, on first import.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
 # Two pytest runs: the single-process tests on TEST_WORKERS pytest-xdist workers, then the `multiprocess` ones
