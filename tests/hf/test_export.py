@@ -4,6 +4,7 @@ under the final name."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -141,6 +142,35 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+# Runs `python -m trainer.export ARGS` once per case in ONE process (each case would otherwise pay its own torch
+# import): per case the exit code `raise SystemExit(main())` would give (argparse's SystemExit included), and its
+# own stdout and stderr, where logging.basicConfig writes anew (root handlers cleared) as in a fresh process.
+_CASES_DRIVER = """
+import contextlib, io, json, logging, sys
+from trainer.export import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    logging.root.handlers.clear()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    logging.root.handlers.clear()
+    results.append({"returncode": int(code), "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def _cli_cases(*cases: list[str]) -> list[subprocess.CompletedProcess]:
+    done = subprocess.run([sys.executable, "-c", _CASES_DRIVER, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+            for argv, r in zip(cases, json.loads(done.stdout.splitlines()[-1]))]
+
+
 def _error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if "error" in line and "FutureWarning" not in line]
     assert len(lines) == 1, result.stderr
@@ -149,32 +179,35 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
 
 def test_cli_exit_codes_and_one_line_errors(tmp_path, tiny_dataset):
     step_dir = _checkpoint(tmp_path, make_llama(tmp_path / "base", "plain"), tiny_dataset)
-    ok = _cli(str(step_dir), str(tmp_path / "out"), "--dtype", "float32")
+    ok = _cli(str(step_dir), str(tmp_path / "out"), "--dtype", "float32")  # a process of its own: the real exit
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.strip().startswith(f"exported step 1 (1 ranks) to {tmp_path / 'out'}")
 
-    result = _cli(str(tmp_path / "ckpt"), str(tmp_path / "o2"))
-    assert result.returncode == 2 and "pass one of them, e.g." in _error_line(result) and "step-00000001" in result.stderr
-    result = _cli(str(tmp_path / "nowhere"), str(tmp_path / "o2"))
-    assert result.returncode == 2 and "is not a directory" in _error_line(result)
-    result = _cli(str(step_dir), str(tmp_path / "o2"), "--data", str(tmp_path / "no-data"))
-    assert result.returncode == 2 and "pass --data" in _error_line(result)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    result = _cli(str(step_dir), str(tmp_path / "busy"))
-    assert result.returncode == 2 and "not an earlier export" in _error_line(result)
-    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
-    result = _cli(str(step_dir), str(tmp_path / "o2"), "--dtype", "float16")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
-
-    shard = next(step_dir.glob("shard-*.pt"))
+    corrupt = tmp_path / "corrupt" / step_dir.name  # a copy with one flipped byte in a shard
+    shutil.copytree(step_dir, corrupt)
+    shard = next(corrupt.glob("shard-*.pt"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    result = _cli(str(step_dir), str(tmp_path / "o3"))
-    assert result.returncode == 4 and "checksum-mismatch" in _error_line(result)
-    assert not (tmp_path / "o3").exists()
+    parent, nowhere, no_data, busy, fp16, bad_shard, help_ = _cli_cases(
+        [str(tmp_path / "ckpt"), str(tmp_path / "o2")],
+        [str(tmp_path / "nowhere"), str(tmp_path / "o2")],
+        [str(step_dir), str(tmp_path / "o2"), "--data", str(tmp_path / "no-data")],
+        [str(step_dir), str(tmp_path / "busy")],
+        [str(step_dir), str(tmp_path / "o2"), "--dtype", "float16"],
+        [str(corrupt), str(tmp_path / "o3")],
+        ["--help"])
+    assert parent.returncode == 2 and "pass one of them, e.g." in _error_line(parent) and "step-00000001" in parent.stderr
+    assert nowhere.returncode == 2 and "is not a directory" in _error_line(nowhere)
+    assert no_data.returncode == 2 and "pass --data" in _error_line(no_data)
+    assert busy.returncode == 2 and "not an earlier export" in _error_line(busy)
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    assert fp16.returncode == 2 and "invalid choice" in fp16.stderr
+    assert bad_shard.returncode == 4 and "checksum-mismatch" in _error_line(bad_shard)
+    assert not (tmp_path / "o3").exists() and not (tmp_path / "o2").exists()
 
-    help_text = _cli("--help").stdout
+    assert help_.returncode == 0
     for words in ("--dtype", "bfloat16", "--data", "Exit codes", "tokenizer", "any world size"):
-        assert words in help_text, words
+        assert words in help_.stdout, words
