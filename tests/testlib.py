@@ -35,24 +35,32 @@ def torchrun(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
-def torchrun_probe(script: Path, arg: Path, blocked_message: str, timeout: float = 100) -> str:
-    """Run a 2-rank probe script under torchrun and return rank 0's ``rank0: ...`` line, then the output's tail;
-    fails the test with ``blocked_message`` when the ranks are still blocked at ``timeout``. (The release probes:
-    rank 1 leaves a group while rank 0 is blocked in it.)"""
+def run_session(cmd: list[str], env: dict[str, str], timeout: float, timeout_message: str) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own, output (stdout and stderr) captured; (returncode, output). At
+    ``timeout`` the whole session is SIGKILLed (launcher, workers, their writers) and the test fails with
+    ``timeout_message`` and the output's tail."""
     import signal
 
     import pytest
 
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script), str(arg)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'trainer_image'}{os.pathsep}{REPO}"},
-    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{blocked_message}:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
+        pytest.fail(f"{timeout_message}:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def torchrun_probe(script: Path, arg: Path, blocked_message: str, timeout: float = 100) -> str:
+    """Run a 2-rank probe script under torchrun and return rank 0's ``rank0: ...`` line, then the output's tail;
+    fails the test with ``blocked_message`` when the ranks are still blocked at ``timeout``. (The release probes:
+    rank 1 leaves a group while rank 0 is blocked in it.)"""
+    rc, out = run_session(
+        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script), str(arg)],
+        {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'trainer_image'}{os.pathsep}{REPO}"},
+        timeout, blocked_message)
+    assert rc == 0, out[-3000:]
     return next((line for line in out.splitlines() if line.startswith("rank0:")), "") + "\n" + out[-3000:]

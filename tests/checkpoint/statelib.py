@@ -76,6 +76,23 @@ def disk_only(mgr: CheckpointManager) -> None:
         mgr.snapshots.drop(slot)
 
 
+def fail_while_staging(monkeypatch: pytest.MonkeyPatch, mgr: CheckpointManager, state: dict, step: int) -> None:
+    """``mgr.save(step)`` fails right after the slot was (re)mapped for the new snapshot, before any tensor was
+    copied in: a fault in the middle of staging."""
+    from trainer.checkpoint.slots import Slot
+
+    real_ensure = Slot.ensure
+
+    def ensure_then_fail(self, *args, **kwargs):
+        real_ensure(self, *args, **kwargs)
+        raise RuntimeError("injected fault while staging")
+
+    monkeypatch.setattr(Slot, "ensure", ensure_then_fail)
+    with pytest.raises(RuntimeError, match="while staging"):
+        mgr.save(step, state)
+    monkeypatch.setattr(Slot, "ensure", real_ensure)
+
+
 def manager(tmp_path: Path, **kw) -> CheckpointManager:
     """Checkpoints in ``tmp_path/ckpt``; the node-local tier in ``tmp_path/node`` (not /dev/shm: nothing leaks)."""
     cfg = CheckpointConfig(**{"interval": 1, "keep": 3, "node_local_dir": str(tmp_path / "node"), **kw})

@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from statelib import (  # noqa: F401 - pg
+    assert_equal, fail_while_staging, make_state, manager, pg, snapshot, train_step,
+)
 from testlib import REPO, torchrun_probe
 from trainer.checkpoint import FAULT_ENV, committed_steps, load_model_weights
-from trainer.checkpoint.slots import Slot, SnapshotStore
+from trainer.checkpoint.slots import SnapshotStore
 
 
 def _store(tmp_path, steps_and_locks) -> SnapshotStore:
@@ -90,16 +92,7 @@ def test_a_fault_while_restaging_the_newest_falls_back_to_the_snapshot_being_wri
         mgr.save(2, state)
         assert mgr.snapshots.held_steps() == [1, 2] and mgr.persistent.inflight.step == 1
         train_step(state, 3)
-        real_ensure = Slot.ensure
-
-        def ensure_then_fail(self, *args, **kwargs):
-            real_ensure(self, *args, **kwargs)
-            raise RuntimeError("injected fault while staging")
-
-        monkeypatch.setattr(Slot, "ensure", ensure_then_fail)
-        with pytest.raises(RuntimeError, match="while staging"):
-            mgr.save(3, state)
-        monkeypatch.setattr(Slot, "ensure", real_ensure)
+        fail_while_staging(monkeypatch, mgr, state, 3)
         assert mgr.snapshots.held_steps() == [1]
         mgr.unbind()
         restored = make_state(seed=2)

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from testlib import REPO, torchrun_probe
-from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from statelib import (  # noqa: F401 - pg
+    assert_equal, fail_while_staging, make_state, manager, pg, snapshot, train_step,
+)
 from trainer.checkpoint import committed_steps
 from trainer.checkpoint.policy import IntervalPolicy, young_daly_steps
-from trainer.checkpoint.slots import Slot
 
 
 def _newest_slot_files(tmp_path: Path) -> tuple[Path, Path]:
@@ -102,16 +103,7 @@ def test_a_fault_while_staging_falls_back_to_the_previous_snapshot(tmp_path, pg,
         mgr.save(step, state)
     at_step_2 = snapshot(state)
     train_step(state, 3)
-    real_ensure = Slot.ensure
-
-    def ensure_then_fail(self, *args, **kwargs):
-        real_ensure(self, *args, **kwargs)
-        raise RuntimeError("injected fault while staging")
-
-    monkeypatch.setattr(Slot, "ensure", ensure_then_fail)
-    with pytest.raises(RuntimeError, match="while staging"):
-        mgr.save(3, state)
-    monkeypatch.setattr(Slot, "ensure", real_ensure)
+    fail_while_staging(monkeypatch, mgr, state, 3)
     _restart_in_process(mgr)
     restored = make_state(seed=2)
     assert mgr.load_latest(restored) == 2 and mgr.restored_from == "memory"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from test_recovery import BASE, ENTRYPOINT, FT_ENV, GRACE, VENV_BIN, events, node_dir
-from testlib import REPO, free_port
+from testlib import free_port, run_session
 
 pytestmark = pytest.mark.multiprocess
 
@@ -120,15 +119,7 @@ class Watch:
 def _launch(cmd: list[str], env_extra: dict[str, str], timeout: float = 240) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()),
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **env_extra}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_session(cmd, env, timeout, f"timed out after {timeout} s")
 
 
 def _left_in_node_memory(run_dir: Path, watch: Watch) -> list[str]:

@@ -8,7 +8,6 @@ the run is left behind.
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testlib import REPO, RESTARTED, free_port
+from testlib import REPO, RESTARTED, free_port, run_session
 from trainer.checkpoint import FAULT_ENV, load_model_weights
 from trainer.exitcodes import ExitCode
 from trainer.ledger import read
@@ -45,16 +44,9 @@ def _run(cmd, run_dir, env_extra=None, timeout=150):
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **(env_extra or {})}
     cmd = [c.replace("{port}", str(port)) for c in cmd]
     shm_before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
+    rc, out = run_session(cmd, env, timeout, f"timed out after {timeout} s")
     _assert_nothing_left(run_dir, port, shm_before)
-    return proc.returncode, out, port
+    return rc, out, port
 
 
 def node_dir(run_dir):

@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import reaper
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.layout import (
     MODEL_PREFIX, Piece, Shards, committed_steps, probe_loadable, read_manifest, verify_shards,
 )
+from trainer.checkpoint.writer import fsync_dir
 from trainer.config import JobConfig
 from trainer.config_checks import ConfigError
 from trainer.exitcodes import ExitCode
@@ -205,11 +207,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
         old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
-    fd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -218,18 +216,9 @@ def _remove_stale_tmp(out_dir: Path) -> None:
     """Temporary directories of exports to ``out_dir`` whose process is gone (killed mid-export)."""
     for path in out_dir.parent.glob(f".{out_dir.name}{_TMP_INFIX}*"):
         pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not reaper.alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

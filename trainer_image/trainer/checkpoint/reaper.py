@@ -125,9 +125,9 @@ def reap(directory: Path, files: bool) -> list[str]:
     names removed."""
     removed: list[str] = []
     owners = _owners(directory)
-    live_ranks = {rank for pid, (rank, _) in owners.items() if _alive(pid)}
+    live_ranks = {rank for pid, (rank, _) in owners.items() if alive(pid)}
     for pid, (rank, names) in owners.items():
-        if _alive(pid):
+        if alive(pid):
             continue
         for rtype, name in names:
             target = SHM_ROOT / (("sem." if rtype == "semaphore" else "") + name.lstrip("/"))
@@ -169,7 +169,7 @@ def _owners(directory: Path) -> dict[int, tuple[int | None, list[tuple[str, str]
     return owners
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not). A reused pid reads as alive: nothing is removed then."""
     try:
         os.kill(pid, 0)
