@@ -16,7 +16,7 @@ from statelib import (  # noqa: F401 - pg
     assert_equal, fail_while_staging, make_state, manager, pg, snapshot, train_step,
 )
 from testlib import REPO, torchrun_probe
-from trainer.checkpoint import FAULT_ENV, committed_steps, load_model_weights
+from trainer.checkpoint import FAULT_ENV, committed_steps, load_model_weights, storage
 from trainer.checkpoint.slots import SnapshotStore
 
 
@@ -165,6 +165,7 @@ def test_the_final_save_writes_the_state_once(tmp_path, pg, monkeypatch, caplog)
         assert "the write of step 20 is cancelled" in caplog.text
         assert written == [f"step-{s:08d}.tmp" for s in (5, 10, 15, 20, 25)]  # each state submitted once
         assert committed_steps(mgr.dir) == [5, 10, 15, 25]
+        storage.wait_for_removals()  # the cancelled write's directory is out of the namespace, deleted in a thread
         assert not list(mgr.dir.glob("*.tmp")) and not list(mgr.dir.rglob("*.partial"))
         shards = sorted(mgr.dir.rglob("shard-*.pt"))
         assert [p.parent.name for p in shards] == [f"step-{s:08d}" for s in (5, 10, 15, 25)]
