@@ -269,3 +269,100 @@ def test_page_locking_in_pieces_skips_what_a_restore_locked_and_pauses_after_eac
     kept: list[int] = []
     assert not chunked.register_in_pieces(buffer, 4096, kept)
     assert kept == [base]  # what was locked stays recorded, for release() to undo
+
+
+def test_a_snapshot_whose_slot_is_still_being_reserved_is_deferred_not_waited_for(tmp_path, pg, monkeypatch, caplog):
+    """On CUDA a new process's slots are page-locked in the background for seconds after its first step: a snapshot
+    due meanwhile is deferred (the loop goes on) and taken at the first step that finds its slot ready; a final save
+    waits for it instead. The reservation is held here by a gate (a fail-safe timer opens it: a save that waited
+    for it instead of deferring returns True, late, and fails the test)."""
+    import threading
+
+    from trainer.checkpoint.slots import Slot
+
+    gate, real_reserve = threading.Event(), Slot.reserve
+    monkeypatch.setattr(Slot, "reserve", lambda self, *a, **kw: gate.wait() and real_reserve(self, *a, **kw))
+    failsafe = threading.Timer(30.0, gate.set)
+    failsafe.start()
+    state = make_state()
+    mgr = manager(tmp_path, interval=2, persist_every=0)
+    mgr.snapshots.defer_unready = True  # as on CUDA (page-locking); on CPU a save waits for its slot's reservation
+    assert mgr.load_latest(state) is None  # asks for the slots' reservation from the end of the first step
+    try:
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            for step in (1, 2, 3):
+                train_step(state, step)
+                assert not mgr.save(step, state)  # 1: not due; 2: due, deferred; 3: owed, still deferred
+            assert mgr.latest_in_memory() is None and not gate.is_set()
+            gate.set()
+            mgr.snapshots._prepared.join()
+            train_step(state, 4)
+            assert mgr.save(4, state) and mgr.latest_in_memory().step == 4  # the owed snapshot, at once
+            train_step(state, 5)
+            assert not mgr.save(5, state)  # back on the interval: nothing owed
+        deferred = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
+        assert [m.split()[4] for m in deferred] == ["2", "3"], deferred
+        assert not [r for r in caplog.records if "skipped" in r.getMessage()]
+    finally:
+        failsafe.cancel()
+        mgr.close(job_over=True)
+
+
+def test_a_final_save_waits_for_its_slot_instead_of_deferring(tmp_path, pg, monkeypatch):
+    import threading
+
+    from trainer.checkpoint.slots import Slot
+
+    gate, real_reserve = threading.Event(), Slot.reserve
+    monkeypatch.setattr(Slot, "reserve", lambda self, *a, **kw: gate.wait() and real_reserve(self, *a, **kw))
+    state = make_state()
+    mgr = manager(tmp_path, interval=100, persist_every=1)
+    mgr.snapshots.defer_unready = True
+    assert mgr.load_latest(state) is None
+    try:
+        train_step(state, 1)
+        assert not mgr.save(1, state)  # starts the background reservation, held by the gate
+        train_step(state, 2)
+        threading.Timer(0.5, gate.set).start()
+        assert mgr.save(2, state, last_step=True)
+        assert committed_steps(mgr.dir) == [2] and mgr.latest_in_memory().step == 2
+    finally:
+        gate.set()
+        mgr.close(job_over=True)
+
+
+def test_a_new_slot_on_a_memory_file_system_has_every_page_mapped_and_an_existing_one_keeps_its_bytes():
+    """``chunked.populate``: the first write to each page of a fallocated tmpfs file happens in ``map_file``, on
+    several threads, not page by page inside the page-locking or the first copy. Read from /proc/self/smaps: the
+    mapping's resident pages."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from trainer.checkpoint import chunked
+    from trainer.checkpoint.slots import map_file
+
+    def mapped_kib(path: Path) -> int:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if line.rstrip().endswith(str(path))]
+        assert len(starts) == 1, starts
+        return next(int(line.split()[1]) for line in lines[starts[0]:] if line.startswith("Rss:"))
+
+    directory = Path(tempfile.mkdtemp(prefix="resilient-train-test-", dir="/dev/shm"))
+    try:
+        nbytes = 8 << 20
+        fresh = map_file(directory / "fresh.data", nbytes, allocate=True)
+        assert mapped_kib(directory / "fresh.data") == nbytes // 1024 and int(fresh.count_nonzero()) == 0
+        (directory / "kept.data").write_bytes(bytes(range(256)) * (nbytes // 256))
+        want = int(torch.frombuffer(bytearray((directory / "kept.data").read_bytes()), dtype=torch.int64).sum())
+        kept = map_file(directory / "kept.data", nbytes, allocate=True)
+        assert mapped_kib(directory / "kept.data") == 0  # not populated: its bytes are a snapshot's
+        assert bytes(kept[:256].tolist()) == bytes(range(256)) and int(kept[4096]) == 0
+        # Before page-locking a slot with content (a snapshot a previous process wrote): mapped, bytes unchanged
+        # (madvise(MADV_POPULATE_WRITE); a kernel without it leaves such a mapping alone).
+        if chunked.populate(kept, zero_filled=False):
+            assert mapped_kib(directory / "kept.data") == nbytes // 1024
+        assert bytes(kept[-256:].tolist()) == bytes(range(256)) and int(kept.view(torch.int64).sum()) == want
+        del fresh, kept
+    finally:
+        shutil.rmtree(directory)

@@ -103,13 +103,12 @@ class CheckpointConfig:
     device-to-device copy. ``auto``: when the device's free memory after the first steps holds the buffer (this
     rank's whole state) with a margin (logged once); ``on``: always (warns and copies directly when it does not
     fit); ``off``: device-to-host copies that the step waits for. Ignored on CPU."""
-    pin_chunk_mib: int = 0
+    pin_chunk_mib: int = 1024
     """CUDA: page-lock each snapshot slot in registrations of this many MiB, pausing after each as long as it took
     (copies into and out of the slot are split at their boundaries); 0: one registration per slot. Registering an
-    18 GB slot in one call holds the CUDA driver for ~6 s, and the training thread's kernel launches wait: on one
-    H200 the steps right after each process start took 5.7-5.9 s (BENCHMARKS.md). In pieces, launches get through
-    between them. Not yet measured on a GPU, hence off; 1024 matches the chunks a node-local restore already
-    registers, which are then kept."""
+    18 GB slot in one call holds the CUDA driver for seconds, and the training thread's kernel launches wait: on one
+    H200 the first step after an in-job restart took 4.2 s with 0, 0.3-0.5 s with 1024 (BENCHMARKS.md). 1024
+    matches the chunks a node-local restore registers, which are then kept instead of registered again."""
     mtbf_s: float = 86400.0
     """Mean time between failures of the whole job, for ``interval = "auto"``."""
     keep: int = 2

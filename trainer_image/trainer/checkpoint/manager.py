@@ -169,7 +169,12 @@ class CheckpointManager:
             return True
         if final:  # an older write still in flight is superseded: the final save writes one state, not two
             self.persistent.cancel(superseded_by=step)
-        free, idle, want, step_s, cost_s = self._agree(step)
+        free, idle, want, step_s, cost_s, preparing = self._agree(step)
+        if preparing and not final:  # FT: a new process's slots are page-locked in the background; the loop goes on
+            self.policy.defer()
+            log.info("memory checkpoint of step %d deferred: its snapshot slot is still being page-locked in the "
+                     "background (a new process's first seconds); taken at the first step that finds it ready", step)
+            return False
         if not free:  # every other slot is held by a write and none holds an older snapshot to fall back to
             log.warning("memory checkpoint of step %d skipped: no snapshot slot can be restaged while keeping a "
                         "complete snapshot to fall back to", step)
@@ -260,15 +265,18 @@ class CheckpointManager:
         self.snapshots.prepare(predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
 
     # ---- memory checkpoints ----------------------------------------------------------------------------------
-    def _agree(self, step: int) -> tuple[bool, bool, bool, float, float]:
+    def _agree(self, step: int) -> tuple[bool, bool, bool, float, float, bool]:
         """(a slot to stage into on every rank, no write in flight on any rank, a persist due on some rank, step
-        time, snapshot cost), each the same on every rank: one all-reduce."""
+        time, snapshot cost, a slot still being prepared on some rank), each the same on every rank: one
+        all-reduce."""
         step_s, cost_s = self.policy.measurements()
         free = self.snapshots.choose() is not None
         idle = self.persistent.inflight is None  # an abandoned write is cleared by save()'s poll once it finished
         want = self.persist_policy.wants()
-        values = self.coord.all_reduce([float(-free), float(-idle), float(want), step_s, cost_s], dist.ReduceOp.MAX)
-        return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4]
+        preparing = self.snapshots.preparing()
+        values = self.coord.all_reduce([float(-free), float(-idle), float(want), step_s, cost_s, float(preparing)],
+                                       dist.ReduceOp.MAX)
+        return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4], values[5] > 0
 
     def _stage(self, slot: Slot, step: int, state: dict[str, Any]) -> None:
         locals_, pieces, optim_extra = self._live.get(state)

@@ -40,6 +40,8 @@ class IntervalPolicy:
         self._last_t: float | None = None
         self._last_was_snapshot = False
         self._snapshots = 0
+        self.owed = False
+        """A due snapshot was deferred (its slot not ready yet): every step is due until one is taken."""
         self._plain: collections.deque[float] = collections.deque(maxlen=50)
         self._snap: collections.deque[float] = collections.deque(maxlen=8)
 
@@ -51,9 +53,15 @@ class IntervalPolicy:
         self._last_t, self._last_was_snapshot = now, False
 
     def due(self, step: int) -> bool:
+        if self.owed:
+            return True
         if self.auto:
             return step >= self.next_due
         return self.every > 0 and step % self.every == 0
+
+    def defer(self) -> None:
+        """The snapshot due now could not be staged yet (``CheckpointManager``: every rank agreed)."""
+        self.owed = True
 
     def measurements(self) -> tuple[float, float]:
         """(step time without a snapshot, extra time of a step with one); -1 for what is not measured yet."""
@@ -64,6 +72,7 @@ class IntervalPolicy:
     def snapshot_taken(self, step: int, step_s: float, cost_s: float) -> int | None:
         """After a snapshot at ``step``, with the agreed (maximum over ranks) step time and snapshot cost.
         Returns the newly chosen interval when ``auto`` chose one (to be logged and recorded), else None."""
+        self.owed = False
         self._last_was_snapshot = self._snapshots > 0  # the first one's one-time costs are not its cost
         self._snapshots += 1
         if not self.auto:

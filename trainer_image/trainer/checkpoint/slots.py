@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -92,10 +93,13 @@ def map_views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
 def map_file(path: Path, nbytes: int, allocate: bool = False) -> torch.Tensor:
     """The file's bytes as a shared (MAP_SHARED) uint8 tensor. ``allocate`` creates or resizes the file and
     reserves its pages first: on a full tmpfs that is a clear error here, where a write into an unbacked page of
-    the mapping would kill the process with SIGBUS mid-copy."""
+    the mapping would kill the process with SIGBUS mid-copy. A new file on a memory file system has its pages
+    faulted in here (``chunked.populate``); an existing one keeps its bytes."""
+    fresh = False
     if allocate:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            fresh = os.fstat(fd).st_size == 0
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
@@ -109,7 +113,10 @@ def map_file(path: Path, nbytes: int, allocate: bool = False) -> torch.Tensor:
                 "or point checkpoint.node_local_dir elsewhere"
             ) from None
         os.close(fd)
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    mapped = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    if fresh and memory_backed(path.parent):  # new pages: mapped on several threads, not one by one
+        chunked.populate(mapped, zero_filled=True)  # by the page-locking or the first copy
+    return mapped
 
 
 def checksum(buffer: torch.Tensor) -> int:
@@ -225,6 +232,7 @@ class Slot:
             self.pin_refused = True
             warn_unpinned(self.data_path.parent)
             return
+        chunked.populate(self.buffer, zero_filled=False)  # FT: page faults outside the driver's lock (a no-op if mapped)
         if self.pin_piece:
             status = 0 if chunked.register_in_pieces(self.buffer, self.pin_piece, self.chunk_pins, pause) else -1
         else:
@@ -268,6 +276,9 @@ class SnapshotStore:
         self._urgent = threading.Event()
         self._prepare_started = False
         self._prepare_request: tuple[int, torch.device] | None = None
+        self.defer_unready: bool | None = None
+        """Whether a snapshot whose slot is still being reserved is deferred instead of waited for (``ready``); None:
+        when the reservation page-locks (CUDA), which takes seconds after a new process's first step."""
 
     def _slot(self, index: int) -> Slot:
         stem = f"rank-{self.rank:05d}.slot-{index}"
@@ -309,12 +320,14 @@ class SnapshotStore:
         self._prepare_started = True
         (nbytes, device), self._prepare_request = self._prepare_request, None
         pin = device.type == "cuda"
+        self.defer_unready = pin if self.defer_unready is None else self.defer_unready
         newest = self.newest()
         order = sorted(self.slots, key=lambda slot: slot is newest)
         for slot in order:
             slot.ready.clear()
 
         def run() -> None:
+            began = time.perf_counter()
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 if pin:
@@ -323,6 +336,8 @@ class SnapshotStore:
                     # FT: paced while no save waits for a slot; a save that does ends the pauses (urgent)
                     slot.reserve(nbytes, pin, keep_content=slot.step is not None, pause=self._urgent.wait)
                     slot.ready.set()
+                    log.info("snapshot slot %d reserved%s %.2f s after the first step", slot.index,
+                             " and page-locked" if slot.pinned else "", time.perf_counter() - began)
             except Exception as exc:  # the first save reserves (and reports) it again
                 log.warning("snapshot slots not prepared ahead of the first save: %s", exc)
             finally:
@@ -345,6 +360,12 @@ class SnapshotStore:
             return min(others, key=lambda s: -1 if s.step is None else s.step)
         fallback = any(s.step is not None and s is not newest for s in self.slots)
         return newest if newest is not None and not newest.locked and fallback else None
+
+    def preparing(self) -> bool:
+        """The slot the next snapshot goes into is still being reserved in the background and snapshots wait for
+        none (``defer_unready``): the snapshot is deferred to the first step that finds it ready."""
+        slot = self.choose()
+        return bool(self.defer_unready) and slot is not None and not slot.ready.is_set()
 
     def stage(self, slot: Slot, step: int, locals_: dict[str, torch.Tensor], pieces: dict[str, Piece],
               payload: dict[str, Any], copier: Any) -> None:

@@ -85,10 +85,7 @@ class NullHeartbeat:
     def beat(self) -> None: ...
     def on_save(self) -> None: ...
     def stop(self) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
+    def state_dict(self) -> dict[str, Any]: return {}  # noqa: E704
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
@@ -102,7 +99,7 @@ class Heartbeat(NullHeartbeat):
 
         self.client = RankMonitorClient()
         self.floor_s = floor_s  # in-process hard timeout + margin when the Wrapper is on
-        self.saves = 0
+        self.saves, self.logged = 0, None  # saves seen; the learned timeouts last logged
         self.first_beat_s: float | None = None  # ft_launcher's initial heartbeat timeout, read at the first connect
 
     def start(self) -> None:
@@ -139,7 +136,9 @@ class Heartbeat(NullHeartbeat):
                 with self._monitor_link("send heartbeat timeouts to"):
                     # No public setter for an adjusted value; this is what calculate_and_set_* calls.
                     self.client._set_calculated_timeouts(new_hb_timeouts=bounded, new_section_timeouts=None)
-            log.info("in-job heartbeat timeouts: %s", self.client.hb_timeouts)
+            if self.client.hb_timeouts != self.logged:  # learned again at every save; logged when they change
+                self.logged = self.client.hb_timeouts
+                log.info("in-job heartbeat timeouts: %s", self.client.hb_timeouts)
 
     def _bounded(self, timeouts: Any) -> Any:
         """Learned timeouts, bounded below. ``subsequent`` never below the in-process floor (layers nest
