@@ -340,3 +340,35 @@ def test_local_backend_relaunches_launcher_lost_stops_on_permanent_and_removes_e
     assert "exit 204 (LAUNCHER_LOST) is retryable: relaunching" in out.getvalue()
     assert err.value.exit_code == ExitCode.DATA_ERROR and "3 (DATA_ERROR)" in str(err.value)
     assert not any(Path(t).exists() for t in tmpdirs)
+
+
+def test_heartbeat_timeouts_are_learned_at_the_second_save_then_every_tenth_and_logged_when_they_change(caplog):
+    """NVRx's calculation all-reduces on the training group and reads the result back (three host syncs): not at
+    every snapshot (every 10 steps on the GPU flavours), and one INFO line per change, not per save."""
+    import logging
+
+    from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+    from trainer.resiliency import Heartbeat
+
+    class Client:  # the calculation's inputs need a live rank monitor; what is checked here is when it is asked
+        def __init__(self) -> None:
+            self.calls, self.hb_timeouts = 0, None
+
+        def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool) -> bool:
+            self.calls += 1
+            self.hb_timeouts = HeartbeatTimeouts(initial=1800.0, subsequent=30.0 + self.calls // 3, were_calculated=True)
+            return True
+
+    hb = Heartbeat(floor_s=None)
+    hb.first_beat_s, hb.client = 0.0, Client()
+    asked_at = []
+    with caplog.at_level(logging.INFO, logger="trainer.resiliency"):
+        for save in range(1, 43):
+            before = hb.client.calls
+            hb.on_save()
+            if hb.client.calls > before:
+                asked_at.append(save)
+    assert asked_at == [2, 12, 22, 32, 42]
+    logged = [r.getMessage() for r in caplog.records if "in-job heartbeat timeouts" in r.getMessage()]
+    assert len(logged) == 2, logged  # subsequent 30 (calls 1-2), then 31 (calls 3-5)

@@ -72,7 +72,8 @@ BASE_STORE_PORT_OFFSET = 2  # ... and the training base store on MASTER_PORT + 2
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 BARRIER_MARGIN_S = 30.0  # Wrapper barriers wait this much beyond hard timeout + termination grace
 INJOB_MARGIN_S = 10.0  # launcher heartbeat timeouts stay this much above the in-process hard timeout
-SAVES_BEFORE_TIMEOUT_CALC = 2  # compute heartbeat timeouts once an interval containing a save was seen
+SAVES_BEFORE_TIMEOUT_CALC = 2  # compute heartbeat timeouts once an interval containing a save was seen, then again
+TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the training group, then 3 host syncs (.item())
 
 
 # --- in-job layer: heartbeats -------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class Heartbeat(NullHeartbeat):
     def on_save(self) -> None:
         """Called on every rank at the same step (a save step): learns timeouts (a collective)."""
         self.saves += 1
-        if self.saves < SAVES_BEFORE_TIMEOUT_CALC:
+        if self.saves < SAVES_BEFORE_TIMEOUT_CALC or (self.saves - SAVES_BEFORE_TIMEOUT_CALC) % TIMEOUT_CALC_EVERY_SAVES:
             return
         with self._monitor_link("send heartbeat timeouts to"):
             learned = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
