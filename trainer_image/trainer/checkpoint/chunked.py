@@ -20,7 +20,6 @@ page-locks file mappings only on memory file systems).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
@@ -164,43 +163,24 @@ def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int],
 
 
 POPULATE_THREADS = 8
-"""Threads that fault a slot's pages in (``populate``), at most half the CPUs."""
+"""Threads that fault a new slot's pages in (``populate``), at most half the CPUs."""
 PAGE_BYTES = 4096
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_LIBC: Any = None
 
 
-def populate(buffer: torch.Tensor, zero_filled: bool, threads: int = POPULATE_THREADS) -> bool:
-    """Map every page of a shared mapping writable in this process, on several threads, before it is page-locked
-    or first written. A fallocated tmpfs file's pages are reserved but neither cleared nor mapped, and a mapping a
-    previous process wrote is not mapped in this one: each 4 KiB page then traps into the kernel on first use. Done
-    by the page-locking (``cudaHostRegister``), that held the CUDA driver for seconds (an 18 GB slot: 5.7-5.9 s on
-    H200) while the training thread's kernel launches waited; done by the first copy into a pageable slot, it made
-    that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). ``madvise(MADV_POPULATE_WRITE)`` keeps the
-    bytes; where the kernel lacks it (before 5.14), a ``zero_filled`` (new) mapping gets one zero written per page
-    instead, and a mapping with content is left alone. The calls release the GIL (ctypes; a torch op). Returns
-    whether the pages were populated."""
-    global _LIBC
+def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
+    """Fault in every page of a NEW, all-zero shared mapping (a fallocated tmpfs file) on several threads: one zero
+    written per 4 KiB page (a strided torch op per thread: the GIL is released). ``posix_fallocate`` on tmpfs
+    reserves pages without clearing or mapping them; left to the page-locking (``cudaHostRegister``), each page's
+    fault and clearing ran inside the registration with the CUDA driver held, and left to a first copy into a
+    pageable slot, it made that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). Page faults, one at a
+    time, hold no lock the training thread waits for; ``madvise(MADV_POPULATE_WRITE)`` over ranges of GiBs (tried on
+    H200: it holds the address space's lock for the whole range) stalled the training loop for seconds."""
     flat = buffer.view(-1)
     count = max(1, min(threads, (os.cpu_count() or 2) // 2))
     share = -(-flat.numel() // count // PAGE_BYTES) * PAGE_BYTES
     ranges = [(start, min(start + share, flat.numel())) for start in range(0, flat.numel(), share)]
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    base = flat.data_ptr()
-
-    def advise(span: tuple[int, int]) -> bool:
-        return _LIBC.madvise(base + span[0], span[1] - span[0], _MADV_POPULATE_WRITE) == 0
-
-    def write_zeros(span: tuple[int, int]) -> bool:
-        flat[span[0]:span[1]:PAGE_BYTES].zero_()
-        return True
-
     with ThreadPoolExecutor(len(ranges), thread_name_prefix="slot-populate") as pool:
-        if base % PAGE_BYTES == 0 and all(pool.map(advise, ranges)):
-            return True
-        return zero_filled and all(pool.map(write_zeros, ranges))
+        list(pool.map(lambda span: flat[span[0]:span[1]:PAGE_BYTES].zero_(), ranges))
 
 
 def cuda_register(address: int, nbytes: int) -> bool:

@@ -115,7 +115,7 @@ def map_file(path: Path, nbytes: int, allocate: bool = False) -> torch.Tensor:
         os.close(fd)
     mapped = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
     if fresh and memory_backed(path.parent):  # new pages: mapped on several threads, not one by one
-        chunked.populate(mapped, zero_filled=True)  # by the page-locking or the first copy
+        chunked.populate(mapped)                # by the page-locking or the first copy
     return mapped
 
 
@@ -232,7 +232,6 @@ class Slot:
             self.pin_refused = True
             warn_unpinned(self.data_path.parent)
             return
-        chunked.populate(self.buffer, zero_filled=False)  # FT: page faults outside the driver's lock (a no-op if mapped)
         if self.pin_piece:
             status = 0 if chunked.register_in_pieces(self.buffer, self.pin_piece, self.chunk_pins, pause) else -1
         else:
