@@ -278,6 +278,20 @@ def test_entrypoint_rejects_arguments_ft_launcher_would_swallow():
 
 
 # --- ledger ------------------------------------------------------------------------------------------
+def test_an_injected_faults_record_is_not_fsynced_before_it_fires(tmp_path, monkeypatch):
+    """The fault record's time starts the recovery clock: an fsync between it and the fault (behind a checkpoint
+    write in flight) was counted as recovery time that no real fault spends. Other records stay durable."""
+    import trainer.ledger as ledger_module
+
+    synced = []
+    monkeypatch.setattr(ledger_module.os, "fsync", lambda fd: synced.append(fd))
+    ledger = Ledger(tmp_path, rank=0)
+    ledger.fault("exception", 5)
+    assert not synced and read(tmp_path / "recovery.jsonl")[0]["kind"] == "exception"
+    ledger.exit(130, "terminated")
+    assert len(synced) == 1
+
+
 def test_ledger_records_restart_recovery_and_goodput(tmp_path, monkeypatch):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"event": "step", "step": s, "step_time_s": 0.5}) + "\n"
