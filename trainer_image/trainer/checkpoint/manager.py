@@ -171,10 +171,13 @@ class CheckpointManager:
             self.persistent.cancel(superseded_by=step)
         free, idle, want, step_s, cost_s, preparing = self._agree(step)
         if preparing and not final:  # FT: a new process's slots are page-locked in the background; the loop goes on
-            self.policy.defer()
-            log.info("memory checkpoint of step %d deferred: its snapshot slot is still being page-locked in the "
-                     "background (a new process's first seconds); taken at the first step that finds it ready", step)
+            if self.policy.defer(step):
+                log.info("memory checkpoint of step %d deferred: its snapshot slot is still being page-locked in the "
+                         "background (a new process's first seconds); taken at the first step that finds it ready",
+                         step)
             return False
+        if self.policy.owed_since is not None:
+            log.info("memory checkpoint deferred from step %d taken at step %d", self.policy.owed_since, step)
         if not free:  # every other slot is held by a write and none holds an older snapshot to fall back to
             log.warning("memory checkpoint of step %d skipped: no snapshot slot can be restaged while keeping a "
                         "complete snapshot to fall back to", step)

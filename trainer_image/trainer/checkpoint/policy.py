@@ -40,8 +40,9 @@ class IntervalPolicy:
         self._last_t: float | None = None
         self._last_was_snapshot = False
         self._snapshots = 0
-        self.owed = False
-        """A due snapshot was deferred (its slot not ready yet): every step is due until one is taken."""
+        self.owed_since: int | None = None
+        """The step of a due snapshot that was deferred (its slot not ready yet): every step is due until one is
+        taken."""
         self._plain: collections.deque[float] = collections.deque(maxlen=50)
         self._snap: collections.deque[float] = collections.deque(maxlen=8)
 
@@ -53,15 +54,18 @@ class IntervalPolicy:
         self._last_t, self._last_was_snapshot = now, False
 
     def due(self, step: int) -> bool:
-        if self.owed:
+        if self.owed_since is not None:
             return True
         if self.auto:
             return step >= self.next_due
         return self.every > 0 and step % self.every == 0
 
-    def defer(self) -> None:
-        """The snapshot due now could not be staged yet (``CheckpointManager``: every rank agreed)."""
-        self.owed = True
+    def defer(self, step: int) -> bool:
+        """The snapshot due at ``step`` could not be staged yet (``CheckpointManager``: every rank agreed). True
+        when this starts a deferral (none was owed)."""
+        first = self.owed_since is None
+        self.owed_since = step if first else self.owed_since
+        return first
 
     def measurements(self) -> tuple[float, float]:
         """(step time without a snapshot, extra time of a step with one); -1 for what is not measured yet."""
@@ -72,7 +76,7 @@ class IntervalPolicy:
     def snapshot_taken(self, step: int, step_s: float, cost_s: float) -> int | None:
         """After a snapshot at ``step``, with the agreed (maximum over ranks) step time and snapshot cost.
         Returns the newly chosen interval when ``auto`` chose one (to be logged and recorded), else None."""
-        self.owed = False
+        self.owed_since = None
         self._last_was_snapshot = self._snapshots > 0  # the first one's one-time costs are not its cost
         self._snapshots += 1
         if not self.auto:
