@@ -98,10 +98,9 @@ class Ledger:
         self._pending: dict[str, Any] | None = None  # restart awaiting its first productive step
         self._caught: dict[str, Any] | None = None  # the exception behind the next in-process restart
 
-    def write(self, event: str, **fields: Any) -> dict[str, Any]:
-        return self._append(event, fields, sync=True)
-
-    def _append(self, event: str, fields: dict[str, Any], sync: bool) -> dict[str, Any]:
+    def write(self, event: str, sync: bool = True, **fields: Any) -> dict[str, Any]:
+        """Append one record; ``sync``: fsynced before returning (an fsync waits behind a checkpoint write in flight
+        on the same disk: records on the training loop's path that a crash may lose are written without it)."""
         record = {
             "event": event, "time": round(time.time(), 3), "rank": self.rank, "pid": os.getpid(),
             "attempt": self.attempt, "iteration": self.iteration, **fields,
@@ -121,7 +120,7 @@ class Ledger:
         the line through the process's death. An fsync here waits behind a checkpoint write in flight (H200: 0.32 s
         from this record to the Wrapper catching the exception, with 18 GB being written), recovery time that no
         real fault spends (the marker file was made durable before)."""
-        self._append("fault", {"kind": kind, "step": step}, sync=False)
+        self.write("fault", sync=False, kind=kind, step=step)
 
     def exit(self, code: int, name: str, reason: str = "") -> None:
         """This process ends with ``code`` (non-zero): the cause the next attempt's restart names."""

@@ -316,7 +316,7 @@ class Straggler(NullStraggler):
                               "stragglers": [s.rank for s in below], "ranks": [s.record() for s in scores]})
         if self.ledger is not None:
             slowest = sorted((s for s in scores if math.isfinite(s.relative)), key=lambda s: s.relative)
-            self.ledger.write("straggler_report", step=step, basis=basis, threshold=threshold,
+            self.ledger.write("straggler_report", sync=False, step=step, basis=basis, threshold=threshold,
                               slowest=[s.brief() for s in slowest[:SLOWEST_IN_LEDGER]],
                               stragglers=[s.brief() for s in below])
         for s in below:
