@@ -1,7 +1,12 @@
 """Recovery ledger: every fault and restart of a run as JSON lines in ``<run_dir>/recovery.jsonl``.
 
 It sits beside ``metrics.jsonl`` and feeds the pipeline's HTML report. Lines are appended with one
-``write`` each (``O_APPEND``), by the rank that saw the event, from every process of every attempt.
+``write`` each (``O_APPEND``), by the rank that saw the event, from every process of every attempt. A line
+survives its process's death (the kernel holds it); only ``exit`` and the records written outside the training
+loop are also fsynced. On the loop's path (start, restart, recovered, fault, straggler reports) an fsync can
+wait behind a checkpoint write or a slow disk flush. On H200, every straggler report that wrote a line came with a
+0.35 s step. The ones that wrote none, the first after each start, did not. NVRx's report alone takes milliseconds
+on CPU, so the fsync is the likely cause, though not isolated.
 
 Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``pid``, ``attempt``
 (``TORCHELASTIC_RESTART_COUNT``, 0 without a launcher) and ``iteration`` (the in-process restart count)):
@@ -145,11 +150,11 @@ class Ledger:
             layer = "cluster"
         else:
             if self.rank == 0:
-                self.write("start")
+                self.write("start", sync=False)
             return
         fault = self._last_unrecovered_fault() or self._uninjected_cause(layer)
         self._caught = None
-        record = self.write("restart", layer=layer, resumed_step=resumed_step, tier=tier, fault=fault)
+        record = self.write("restart", sync=False, layer=layer, resumed_step=resumed_step, tier=tier, fault=fault)
         if self.rank == 0:
             self._pending = record
 
@@ -171,7 +176,7 @@ class Ledger:
                 before = {"before_start": max(0.0, start["origin"] - since)}
             extra["phases"] = {**{k: round(v, 3) for k, v in before.items()}, **start["phases"]}
         self.write(
-            "recovered", layer=restart["layer"], step=step,
+            "recovered", sync=False, layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),
             recovery_s=round(time.time() - since, 3), steps_redone=redone, **extra,
         )
