@@ -94,8 +94,8 @@ def abort_process_group() -> None:
     On gloo a destroyed or aborted group keeps its connections open while FSDP2 still references it (measured:
     the peer stayed blocked until the gloo timeout), so its sockets, recorded at init, are shut down first."""
     for fd, inode in _GLOO_CONNECTIONS:
-        if _socket_inodes([fd]).get(fd) == inode:  # still the same socket (the fd was not reused)
-            sock = socket.socket(fileno=fd)
+        # still the same socket (the fd was not reused), and still open when wrapped
+        if _socket_inodes([fd]).get(fd) == inode and (sock := _borrow(fd)) is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -123,12 +123,24 @@ def _socket_inodes(fds: list[int] | None = None) -> dict[int, str]:
     return out
 
 
+def _borrow(fd: int) -> socket.socket | None:
+    """A socket object over ``fd`` (``detach()`` it after use: its owner keeps the descriptor); None when the fd was
+    closed meanwhile by another thread (gloo's, a store's): the scan races with them. Wrapping a closed fd raised
+    EBADF inside the wrapped training function, an in-process restart that no fault caused."""
+    try:
+        return socket.socket(fileno=fd)
+    except OSError:
+        return None
+
+
 def _is_store_connection(fd: int) -> bool:
     """A TCPStore connection (the launcher's or the in-process layer's, on MASTER_PORT and the next ports) must
     never be shut down; gloo's peer connections use ephemeral ports."""
     master_port = int(os.environ.get("MASTER_PORT", "0"))
     store_ports = {master_port + i for i in range(4)} if master_port else set()  # the agent's, +1, +2 (resiliency)
-    sock = socket.socket(fileno=fd)
+    sock = _borrow(fd)
+    if sock is None:
+        return True  # gone: nothing to record
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6):
             return True  # e.g. ft_launcher's unix-domain IPC: leave it alone
