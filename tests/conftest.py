@@ -24,8 +24,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "serial: a multiprocess test whose timing margins (straggler scores, the report that evicts) need the cores "
-        "to itself; `make test` runs these one at a time, after the other multiprocess tests ran two at a time",
+        "serial: a multiprocess test whose timing margins (straggler scores, the report that evicts) or exact "
+        "recovery counts need the cores to itself; `make test` runs these one at a time, after the other "
+        "multiprocess tests ran two at a time",
     )
 
 

@@ -20,7 +20,9 @@ from trainer.checkpoint import FAULT_ENV, load_model_weights
 from trainer.exitcodes import ExitCode
 from trainer.ledger import read
 
-pytestmark = pytest.mark.multiprocess
+# Serial: each test counts the recoveries of its run exactly, and under two tests' load on 2 cores a rank once took an
+# extra in-process restart before its first step (OSError EBADF, not yet explained; hang_gil test, 1 of 3 runs).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 VENV_BIN = Path(sys.executable).parent
 ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
