@@ -21,20 +21,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
-# Two pytest runs: the single-process tests on TEST_WORKERS pytest-xdist workers, then the `multiprocess` ones
-# (torchrun/ft_launcher runs, kfp.local pipelines) one at a time, so that their ranks never fight over the cores
-# and the timeouts they exercise keep their meaning. Both exit codes count. pytest exits 5 when it collected
-# nothing: a failure, so CI never passes vacuously (with PYTEST_ARGS naming tests, one part may collect none).
+# Three pytest runs: the single-process tests on TEST_WORKERS pytest-xdist workers; the `multiprocess` ones
+# (torchrun/ft_launcher runs, kfp.local pipelines) MULTI_WORKERS at a time, a test module per worker (its shared
+# runs are made once; the longest first, tests/conftest.py); then the `serial` ones alone, whose timing margins
+# need the cores to themselves. Every exit code counts. pytest exits 5 when it collected nothing: a failure, so
+# CI never passes vacuously (with PYTEST_ARGS naming tests, some parts may collect none).
 TEST_WORKERS ?= logical
+MULTI_WORKERS ?= 2
 test: setup
 	@t0=$$(date +%s); \
 	$(PY) -m pytest -m "not multiprocess" -n $(TEST_WORKERS) $(PYTEST_ARGS); single=$$?; t1=$$(date +%s); \
-	$(PY) -m pytest -m multiprocess $(PYTEST_ARGS); multi=$$?; t2=$$(date +%s); \
+	$(PY) -m pytest -m "multiprocess and not serial" -n $(MULTI_WORKERS) --dist loadscope \
+		--no-loadscope-reorder $(PYTEST_ARGS); multi=$$?; \
+	t2=$$(date +%s); \
+	$(PY) -m pytest -m "multiprocess and serial" $(PYTEST_ARGS); serial=$$?; t3=$$(date +%s); \
 	echo "make test: single-process tests $$((t1 - t0)) s (xdist -n $(TEST_WORKERS), exit $$single)," \
-		"multi-process tests $$((t2 - t1)) s one at a time (exit $$multi)"; \
-	if [ $$single -eq 5 -a $$multi -eq 5 ] || { [ -z "$(PYTEST_ARGS)" ] && [ $$single -eq 5 -o $$multi -eq 5 ]; }; then \
+		"multi-process tests $$((t2 - t1)) s (xdist -n $(MULTI_WORKERS), exit $$multi)" \
+		"+ $$((t3 - t2)) s one at a time (exit $$serial)"; \
+	if [ $$single -eq 5 -a $$multi -eq 5 -a $$serial -eq 5 ] || \
+		{ [ -z "$(PYTEST_ARGS)" ] && [ $$single -eq 5 -o $$multi -eq 5 -o $$serial -eq 5 ]; }; then \
 		echo "make test: no tests were collected" >&2; exit 1; fi; \
-	for rc in $$single $$multi; do [ $$rc -eq 0 -o $$rc -eq 5 ] || exit $$rc; done
+	for rc in $$single $$multi $$serial; do [ $$rc -eq 0 -o $$rc -eq 5 ] || exit $$rc; done
 
 # Unit tests only (no multi-process training runs): the quick inner loop.
 test-fast: setup

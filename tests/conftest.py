@@ -7,6 +7,29 @@ from pathlib import Path
 import pytest
 
 
+# `make test` runs the multiprocess tests on two xdist workers a module at a time (--dist loadscope, in this
+# order: --no-loadscope-reorder), so the longest modules go first and none is left to run alone at the end.
+LONGEST_FIRST = (
+    "tests/resiliency/test_recovery.py", "tests/pipelines/test_local_pipeline.py", "tests/hf/test_hf_training.py",
+    "tests/resiliency/test_exit_contract.py", "tests/trainer/test_fsdp_training.py", "tests/checkpoint/test_resume.py",
+    "tests/resiliency/test_node_memory.py", "tests/pipelines/test_notebook.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST)))  # stable: else as found
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "serial: a multiprocess test whose timing margins (straggler scores, the report that evicts) or exact "
+        "recovery counts need the cores to itself; `make test` runs these one at a time, after the other "
+        "multiprocess tests ran two at a time",
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """~0.5M tokens from the first stdlib files; vocab 2048. Built once per test session."""

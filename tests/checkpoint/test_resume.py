@@ -25,11 +25,15 @@ from trainer.train import TrainProgress, build_model, build_optimizer
 pytestmark = pytest.mark.multiprocess
 
 N = 6
+# Small batches (~8x cheaper steps than the preset's 8 x 128 tokens per rank): bit-exactness does not depend on them.
+BATCH, SEQ = 2, 64  # per rank; the one-process loads below read the global batch, both ranks' halves
+GLOBAL_BATCH = 2 * BATCH
 
 
 def _args(dataset: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", "tiny", f"--data.path={dataset}", f"--train.run_dir={run_dir}", f"--train.steps={steps}",
             "--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0",  # constant LR: independent of train.steps
+            f"--train.batch_size={BATCH}", f"--data.seq_len={SEQ}",
             f"--checkpoint.node_local_dir={run_dir}-node", *extra]  # not /dev/shm: a killed run leaves its slots
 
 
@@ -92,7 +96,8 @@ def test_two_rank_checkpoint_loads_in_one_process(runs, tiny_dataset, tmp_path):
     straight, split = runs
     ckpt = tmp_path / "ckpt"
     shutil.copytree(straight / "checkpoints" / f"step-{N:08d}", ckpt / f"step-{N:08d}")
-    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", "--train.batch_size=16", f"--checkpoint.dir={ckpt}",
+    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
+                               f"--data.seq_len={SEQ}", f"--checkpoint.dir={ckpt}",
                                f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
     dataset = ShardedTokens(tiny_dataset, verify=False)
     cfg.model.vocab_size = dataset.vocab_size
@@ -101,7 +106,7 @@ def test_two_rank_checkpoint_loads_in_one_process(runs, tiny_dataset, tmp_path):
     try:
         mgr.bind()
         model = build_model(cfg, torch.device("cpu"))
-        loader = TokenLoader(dataset, cfg.data.seq_len, 16, 0, 1, cfg.data.seed)
+        loader = TokenLoader(dataset, cfg.data.seq_len, GLOBAL_BATCH, 0, 1, cfg.data.seed)
         state = {"model": model, "optimizer": build_optimizer(model, cfg.optim), "progress": TrainProgress(),
                  "dataloader": loader}
         assert mgr.load_latest(state) == N and state["progress"].step == N
@@ -173,7 +178,8 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset,
     assert step_dir.name == "step-00000002" and manifest["world_size"] == 2
     assert (ckpt / "step-00000004.tmp").is_dir()  # the partial save is never taken for a checkpoint
     # A restart (here on one process) ignores and removes the partial one and resumes from step 2.
-    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", "--train.batch_size=16", f"--checkpoint.dir={ckpt}",
+    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
+                               f"--data.seq_len={SEQ}", f"--checkpoint.dir={ckpt}",
                                f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
     cfg.model.vocab_size = ShardedTokens(tiny_dataset, verify=False).vocab_size
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -182,7 +188,7 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset,
         mgr.bind()
         model = build_model(cfg, torch.device("cpu"))
         state = {"model": model, "optimizer": build_optimizer(model, cfg.optim), "progress": TrainProgress(),
-                 "dataloader": TokenLoader(ShardedTokens(tiny_dataset, verify=False), cfg.data.seq_len, 16, 0, 1, cfg.data.seed)}
+                 "dataloader": TokenLoader(ShardedTokens(tiny_dataset, verify=False), cfg.data.seq_len, GLOBAL_BATCH, 0, 1, cfg.data.seed)}
         assert mgr.load_latest(state) == 2
         assert not (ckpt / "step-00000004.tmp").exists()
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_recovery import BASE, ENTRYPOINT, FT_ENV, GRACE, VENV_BIN, events, node_dir
+from test_recovery import ENTRYPOINT, FT_ENV, GRACE, PRESET, VENV_BIN, events, node_dir
 from testlib import free_port, run_session
 
 pytestmark = pytest.mark.multiprocess
@@ -133,7 +133,7 @@ def _left_in_node_memory(run_dir: Path, watch: Watch) -> list[str]:
 def test_a_failed_plain_torchrun_run_leaves_nothing_in_node_memory(tmp_path, tiny_dataset):
     """torchrun without restarts: rank 0 fails at step 6, rank 1 is stopped; no rank will be restarted on this
     node, so each removes its snapshot slots whatever its exit code (rank 1's is retryable)."""
-    cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "trainer", *BASE,
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "trainer", *PRESET,
            f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path}",
            f"--checkpoint.node_local_dir={node_dir(tmp_path)}", "--resiliency.inprocess=false",
            "--resiliency.faults=0:6:exception"]
@@ -148,7 +148,7 @@ def test_a_worker_killed_with_its_children_leaves_nothing_in_node_memory(tmp_pat
     """Rank 0's worker, its checkpoint writer and its resource tracker are SIGKILLed together (a launcher's
     process-group kill): its semaphores outlive it. ft_launcher restarts the worker group; the new worker removes
     what the dead one recorded, and the job ends with nothing of it in /dev/shm."""
-    cmd = [str(ENTRYPOINT), *BASE, "--train.steps=16", f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path}",
+    cmd = [str(ENTRYPOINT), *PRESET, "--train.steps=16", f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path}",
            f"--checkpoint.node_local_dir={node_dir(tmp_path)}", *GRACE]
     with Watch(tmp_path) as watch:
         watch.kill_rank = "0"

@@ -26,7 +26,7 @@ from trainer.checkpoint import load_model_weights
 from trainer.exitcodes import ExitCode
 from trainer.ledger import read
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]  # scores and the evicting report's step: alone
 
 STEPS = 25
 EVERY = 5
