@@ -272,9 +272,11 @@ def test_unhealthy_node_exits_201(tmp_path, tiny_dataset):
 
 def test_a_slow_disk_costs_no_snapshot_and_a_sigkill_resumes_from_the_newest(tmp_path, tiny_dataset, reference):
     """Every persistent write stalls 3 s, far longer than a memory interval (2 steps): the memory tier still takes
-    every snapshot (only the slot being written is held), so rank 0's SIGKILL at step 9 resumes from step 8 on the
-    node, not from an older persisted checkpoint."""
-    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=0:9:sigkill",
+    every snapshot (only the slot being written is held), so rank 0's SIGKILL at the start of step 10 resumes from
+    step 8 on the node, not from an older persisted checkpoint. (Not at the start of step 9: that is microseconds
+    after step 8's snapshot, whose node-local header is published in the background, and a kill before it lands
+    rightly falls back to the newest snapshot every rank published.)"""
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=0:10:sigkill",
                             env={FAULT_ENV: "slow_write:3"})
     assert rc == 0, out[-4000:]
     restarts = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
