@@ -172,9 +172,10 @@ def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
     written per 4 KiB page (a strided torch op per thread: the GIL is released). ``posix_fallocate`` on tmpfs
     reserves pages without clearing or mapping them; left to the page-locking (``cudaHostRegister``), each page's
     fault and clearing ran inside the registration with the CUDA driver held, and left to a first copy into a
-    pageable slot, it made that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). Page faults, one at a
-    time, hold no lock the training thread waits for; ``madvise(MADV_POPULATE_WRITE)`` over ranges of GiBs (tried on
-    H200: it holds the address space's lock for the whole range) stalled the training loop for seconds."""
+    pageable slot, it made that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). Tried first on H200:
+    ``madvise(MADV_POPULATE_WRITE)`` over GiB ranges stalled the training loop for seconds, probably by holding the
+    address space's lock for each whole range; single faults take it briefly. This version is not yet measured on
+    a GPU."""
     flat = buffer.view(-1)
     count = max(1, min(threads, (os.cpu_count() or 2) // 2))
     share = -(-flat.numel() // count // PAGE_BYTES) * PAGE_BYTES
