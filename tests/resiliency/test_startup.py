@@ -75,3 +75,16 @@ def test_recovered_record_splits_the_recovery_time_into_phases(tmp_path, monkeyp
     assert recovered["phases"] == {"before_start": 1.5, **phases}
     assert recovered["phases"]["before_start"] + recovered["phases"]["total"] == recovered["recovery_s"]
     json.dumps(recovered)  # plain JSON for figures.py
+
+
+def test_in_process_phases_split_the_time_from_the_fault_to_the_reentry_at_each_noted_moment():
+    from trainer.ledger import in_process_phases
+
+    marks = {"left_train": 100.3, "called_again": 101.9}
+    phases = in_process_phases(100.0, (100.4, 101.2), marks, 102.0)
+    assert {k: round(v, 3) for k, v in phases.items()} == {
+        "unwind": 0.3, "detect": 0.1, "abort": 0.8, "wrapper": 0.7, "reconnect": 0.1}
+    assert round(sum(phases.values()), 6) == 2.0  # they add up: nothing counted twice, nothing lost
+    # moments not noted (or stale: before the fault) leave their time to the next phase; "wrapper" ends at the re-entry
+    assert in_process_phases(100.0, (100.4, 101.2), {"left_train": 90.0}, 102.0) == pytest.approx(
+        {"detect": 0.4, "abort": 0.8, "wrapper": 0.8})

@@ -40,6 +40,9 @@ def test_bad_slow_fault_says_what_to_change(item, message):
     (["--resiliency.straggler_threshold=1.2"], "resiliency.straggler_threshold must be between 0 and 1"),
     (["--resiliency.straggler_threshold=0"], "resiliency.straggler_threshold must be between 0 and 1"),
     (["--resiliency.straggler_patience=0"], "resiliency.straggler_patience must be >= 1"),
+    (["--resiliency.straggler_sample_every=3"], r"resiliency.straggler_sample_every must divide "
+                                                r"resiliency.straggler_report_every \(10\), or be 0"),
+    (["--resiliency.straggler_sample_every=-1"], "resiliency.straggler_sample_every must divide"),
 ])
 def test_bad_straggler_config_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,6 +53,14 @@ def test_straggler_defaults():
     r = ResiliencyConfig()
     assert (r.straggler, r.straggler_report_every, r.straggler_threshold, r.straggler_patience) == ("report", 100, 0.75, 3)
     assert load_config("tiny", ["--data.path=/d"]).resiliency.straggler_report_every == 10  # CPU steps: the demo
+
+
+@pytest.mark.parametrize("every, sample, resolved", [(100, 0, 10), (10, 0, 1), (5, 0, 1), (30, 0, 3), (25, 0, 1),
+                                                      (40, 0, 4), (100, 20, 20)])
+def test_straggler_samples_default_to_a_tenth_of_the_report_interval_dividing_it(every, sample, resolved):
+    r = ResiliencyConfig(straggler_report_every=every, straggler_sample_every=sample)
+    r.validate()
+    assert r.straggler_samples_every() == resolved
 
 
 def test_slow_fault_stretches_each_timed_part_from_its_step_once_per_run_dir(tmp_path):
@@ -176,6 +187,27 @@ def test_detector_times_sections_and_reports_on_the_report_steps(tmp_path):
     assert rank0["step_time_s"] >= 0.007 and sink.records[-1]["basis"] == "host"
     ledger = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "straggler_report"]
     assert [r["step"] for r in ledger] == [8, 12, 20] and ledger[0]["slowest"][0]["host"] == stragglers.host_label()
+
+
+def test_detector_times_one_step_in_straggler_sample_every(tmp_path):
+    cfg = load_config("tiny", ["--data.path=/d", "--resiliency.straggler_report_every=20",
+                               "--resiliency.straggler_sample_every=5", f"--train.run_dir={tmp_path}"])
+    sink = Sink()
+    layers = Layers.create(cfg, 0, 1, 0, torch.device("cpu"), metrics=sink)
+    timed = []
+    try:
+        layers.on_loop_start(0)
+        for step in range(1, 41):
+            with layers.section("data"):
+                time.sleep(0.05 if step % 5 == 1 else 0.001)  # the steps NVRx times (entries 0, 5, 10, ...) are slow
+            timed.append(len(layers.straggler.detector.custom_sections["data"].cpu_elapsed_times))
+            layers.straggler.after_step(step, commit=lambda: pytest.fail("nothing to evict"))
+    finally:
+        layers.straggler.close()
+    assert timed[20:24] == [1, 1, 1, 1] and timed[25] == 2, "one entry in 5 is timed"
+    (record,) = sink.records  # step 20 closed the start-up interval; step 40 reports steps 21-40
+    assert record["step"] == 40
+    assert record["ranks"][0]["sections"]["data"]["median_ms"] >= 50.0  # only the timed (slow) entries count
 
 
 def test_off_times_nothing(tmp_path):

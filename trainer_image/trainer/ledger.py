@@ -171,7 +171,7 @@ class Ledger:
         if start is not None:
             abort = start.get("abort")
             if abort and since <= abort[0]:
-                before = {"detect": abort[0] - since, "abort": abort[1] - abort[0], "wrapper": start["origin"] - abort[1]}
+                before = in_process_phases(since, abort, start.get("marks") or {}, start["origin"])
             else:
                 before = {"before_start": max(0.0, start["origin"] - since)}
             extra["phases"] = {**{k: round(v, 3) for k, v in before.items()}, **start["phases"]}
@@ -239,3 +239,20 @@ def productive_seconds(metrics_path: Path, steps: int) -> float:
         total += last[step]["step_time_s"] * (step - prev)
         prev = step
     return total
+
+
+def in_process_phases(since: float, abort: tuple[float, float], marks: dict[str, float],
+                      origin: float) -> dict[str, float]:
+    """An in-process restart from the fault (``since``) to the re-entry of ``train()`` (``origin``), in phases named
+    by the moment each ends at (``trainer.startup``): ``unwind`` (the exception left ``train()``), ``detect`` (the
+    abort began), ``abort`` (it ended), ``wrapper`` (the restartable function was called again), ``reconnect``
+    (``train()`` entered). A moment not noted, or out of order, is left out: the next phase takes its time."""
+    again = marks.get("called_again")
+    ends = [("unwind", marks.get("left_train")), ("detect", abort[0]), ("abort", abort[1])]
+    ends += [("wrapper", again), ("reconnect", origin)] if again is not None else [("wrapper", origin)]
+    phases, last = {}, since
+    for name, moment in ends:
+        if moment is None or moment < last or moment > origin:
+            continue
+        phases[name], last = moment - last, moment
+    return phases

@@ -18,9 +18,11 @@ Phases of a new process, in order (each ends where the next begins):
 An in-process restart begins again at ``train()``'s entry (``process_group`` ... ``first_step``). The ledger adds
 what came before the start, so the phases of a ``recovered`` record add up to its ``recovery_s``: in-job,
 ``before_start`` (the launcher's detection, the stop of the other workers, the rendezvous, the new process);
-in-process, ``detect`` (fault -> this rank's abort begins: NVRx's monitor thread hears of it and waits
-``resiliency.last_call_wait_s``), ``abort`` (NCCL abort, process groups destroyed) and ``wrapper`` (health check,
-barriers, garbage collection, until ``train()`` is entered again).
+in-process, ``unwind`` (fault -> its exception has left ``train()``: the attempt's ``finally`` blocks), ``detect``
+(-> this rank's abort begins: NVRx's monitor thread hears of it and waits ``resiliency.last_call_wait_s``),
+``abort`` (NCCL abort, process groups destroyed), ``wrapper`` (health check, barriers, garbage collection, until
+the Wrapper calls the restartable function again) and ``reconnect`` (the heartbeat client's reconnection to the
+rank monitor, until ``train()`` is entered again).
 
 Standard library only: imported before torch so the import phase can be measured.
 """
@@ -61,6 +63,8 @@ class StartClock:
         """This start is an in-process restart (``train()`` entered again in the same process)."""
         self.abort: tuple[float, float] | None = None
         """When the in-process layer's abort began and ended, before this restart (wall times)."""
+        self.marks: dict[str, float] = {}
+        """Wall times of named moments of an in-process restart (``left_train``, ``called_again``: see ``note``)."""
 
     def mark(self, phase: str) -> None:
         """The phase ``phase`` ends now (a phase marked twice adds up)."""
@@ -76,6 +80,15 @@ class StartClock:
         else:
             self.mark("wrapper")
         self._entered_train = True
+
+    def note(self, moment: str) -> None:
+        """A moment of an in-process restart happens now: ``left_train`` (an exception leaves ``train()``) or
+        ``called_again`` (the Wrapper calls the restartable function). Taken with the phases (``take_marks``)."""
+        self.marks[moment] = time.time()
+
+    def take_marks(self) -> dict[str, float]:
+        marks, self.marks = self.marks, {}
+        return marks
 
     def aborted(self, began: float, ended: float) -> None:
         """The in-process layer aborted this rank's attempt (NVRx's ``abort``) from ``began`` to ``ended``."""

@@ -181,6 +181,7 @@ def train(
         startup.CLOCK.mark("restore")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException:
+        startup.CLOCK.note("left_train")  # FT: the in-process restart's phases (startup.py)
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
         # (which cannot be aborted) is released at once instead of at the collective timeout, and the in-process
         # restart beats the in-job one. NCCL is left to the in-process layer's abort (see below).

@@ -62,6 +62,7 @@ from trainer.exitcodes import (
 from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger
 from trainer.resiliency import straggler as stragglers
+from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -72,125 +73,6 @@ BASE_STORE_PORT_OFFSET = 2  # ... and the training base store on MASTER_PORT + 2
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 BARRIER_MARGIN_S = 30.0  # Wrapper barriers wait this much beyond hard timeout + termination grace
 INJOB_MARGIN_S = 10.0  # launcher heartbeat timeouts stay this much above the in-process hard timeout
-SAVES_BEFORE_TIMEOUT_CALC = 2  # compute heartbeat timeouts once an interval containing a save was seen, then again
-TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the training group, then 3 host syncs (.item())
-
-
-# --- in-job layer: heartbeats -------------------------------------------------------------------------
-class NullHeartbeat:
-    """No ft_launcher: nothing to tell. Its (empty) state still goes into the checkpoint as ``ft``."""
-
-    active = False
-
-    def start(self) -> None: ...
-    def beat(self) -> None: ...
-    def on_save(self) -> None: ...
-    def stop(self) -> None: ...
-    def state_dict(self) -> dict[str, Any]: return {}  # noqa: E704
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class Heartbeat(NullHeartbeat):
-    """NVRx ``RankMonitorClient``: a heartbeat per step; timeouts learned from observed intervals."""
-
-    active = True
-
-    def __init__(self, floor_s: float | None) -> None:
-        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-
-        self.client = RankMonitorClient()
-        self.floor_s = floor_s  # in-process hard timeout + margin when the Wrapper is on
-        self.saves, self.logged = 0, None  # saves seen; the learned timeouts last logged
-        self.first_beat_s: float | None = None  # ft_launcher's initial heartbeat timeout, read at the first connect
-
-    def start(self) -> None:
-        """(Re)connect to this rank's monitor; per in-process iteration, as NVRx's nested example does."""
-        with self._monitor_link("connect to"):
-            if self.client.is_initialized:
-                self.client.shutdown_workload_monitoring()
-            self.client.init_workload_monitoring()
-        if self.first_beat_s is None:
-            self.first_beat_s = self.client.cfg.initial_rank_heartbeat_timeout
-        configured = self.client.cfg.rank_heartbeat_timeout
-        if self.floor_s is not None and configured is not None and configured < self.floor_s:
-            raise ConfigError(
-                f"ft_launcher's rank heartbeat timeout ({configured:g} s) must exceed the in-process hard "
-                f"timeout plus grace ({self.floor_s:g} s), or the in-job layer kills ranks the in-process "
-                "layer is about to recover: raise FT_RANK_HEARTBEAT_TIMEOUT (entrypoint.sh) or lower "
-                "resiliency.hard_timeout_s"
-            )
-
-    def beat(self) -> None:
-        with self._monitor_link("send a heartbeat to"):
-            self.client.send_heartbeat()
-
-    def on_save(self) -> None:
-        """Called on every rank at the same step (a save step): learns timeouts (a collective)."""
-        self.saves += 1
-        if self.saves < SAVES_BEFORE_TIMEOUT_CALC or (self.saves - SAVES_BEFORE_TIMEOUT_CALC) % TIMEOUT_CALC_EVERY_SAVES:
-            return
-        with self._monitor_link("send heartbeat timeouts to"):
-            learned = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
-        if learned:
-            bounded = self._bounded(self.client.hb_timeouts)
-            if bounded != self.client.hb_timeouts:
-                with self._monitor_link("send heartbeat timeouts to"):
-                    # No public setter for an adjusted value; this is what calculate_and_set_* calls.
-                    self.client._set_calculated_timeouts(new_hb_timeouts=bounded, new_section_timeouts=None)
-            if self.client.hb_timeouts != self.logged:  # learned again at every save; logged when they change
-                self.logged = self.client.hb_timeouts
-                log.info("in-job heartbeat timeouts: %s", self.client.hb_timeouts)
-
-    def _bounded(self, timeouts: Any) -> Any:
-        """Learned timeouts, bounded below. ``subsequent`` never below the in-process floor (layers nest
-        outward). ``initial`` never below ft_launcher's configured one: NVRx learns it from the time between
-        connecting and the first heartbeat of this attempt (a fraction of a second: the connection is made just
-        before the loop), but the rank monitor outlives the worker and applies it to the respawned worker,
-        which connects before it loads its checkpoint. A learned 0.71 s killed a respawned worker while it
-        loaded, and the killed worker left its monitor ABORTED, refusing every later heartbeat."""
-        from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
-
-        floor = self.floor_s or 0.0
-        initial = max(timeouts.initial, self.first_beat_s or 0.0, floor)
-        subsequent = max(timeouts.subsequent, floor)
-        if (initial, subsequent) == (timeouts.initial, timeouts.subsequent):
-            return timeouts
-        return HeartbeatTimeouts(initial=initial, subsequent=subsequent, were_calculated=True)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):  # teardown: the monitor may already be gone (that was reported)
-            self.client.shutdown_workload_monitoring()
-
-    @contextlib.contextmanager
-    def _monitor_link(self, action: str) -> Iterator[None]:
-        """FT: a broken rank-monitor socket is a lost launcher, not a bug: ft_launcher 0.4.1 never respawns
-        the monitor, so only a new pod helps (TrainerExit passes through the in-process Wrapper)."""
-        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClientError
-
-        try:
-            yield
-        except (OSError, RankMonitorClientError) as exc:  # BrokenPipe, ConnectionRefused, a broken reply
-            raise TrainerExit(ExitCode.LAUNCHER_LOST,
-                              f"cannot {action} ft_launcher's rank monitor ({type(exc).__name__}: {exc}); "
-                              "the pod restarts (in-job restarts cannot respawn it)") from exc
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.client.state_dict()) if self.client.hb_timeouts is not None else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Timeouts a checkpoint carries, bounded as learned ones are (an older checkpoint may hold a learned
-        ``initial`` below ft_launcher's)."""
-        import dataclasses
-
-        from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
-
-        key = self.client.CURRENT_TIMEOUTS_STATE_KEY
-        saved = dict(state.get(key) or {})
-        if "heartbeat" in saved:
-            saved["heartbeat"] = dataclasses.asdict(self._bounded(HeartbeatTimeouts(**saved["heartbeat"])))
-            state = {**state, key: saved}
-        with self._monitor_link("send heartbeat timeouts to"):
-            self.client.load_state_dict(state)
 
 
 # --- preemption ---------------------------------------------------------------------------------------
@@ -429,7 +311,7 @@ class Layers:
             return None
         abort, clock.abort = (clock.abort if clock.reentry else None), None
         startup.report(log, phases, clock.reentry, abort)
-        return {"origin": clock.origin, "phases": phases, "abort": abort}
+        return {"origin": clock.origin, "phases": phases, "abort": abort, "marks": clock.take_marks()}
 
     def on_train_end(self, steps: int) -> None:
         self.preemption.drain()
@@ -556,6 +438,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
     )
 
     def restartable(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
+        startup.CLOCK.note("called_again")
         if call_wrapper.iteration > r.inprocess_max_restarts:
             raise TrainerExit(ExitCode.RESTART_BUDGET_EXHAUSTED,
                               f"in-process restart budget spent ({r.inprocess_max_restarts} restarts)")

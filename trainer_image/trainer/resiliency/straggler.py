@@ -199,14 +199,15 @@ class _NoKernelProfiler:
     def reset_results(self) -> None: ...
 
 
-def _initialize_detector(cuda: bool) -> tuple[Any, str | None]:
-    """``Detector.initialize`` (all scores, gathered on rank 0); returns (Detector, why kernels are not profiled)."""
+def _initialize_detector(cuda: bool, sample_every: int = 1) -> tuple[Any, str | None]:
+    """``Detector.initialize`` (all scores, gathered on rank 0, one section entry in ``sample_every`` timed);
+    returns (Detector, why kernels are not profiled)."""
     from nvidia_resiliency_ext import straggler as nvrx
     from nvidia_resiliency_ext.straggler import straggler as nvrx_impl
 
     if nvrx.Detector.initialized:  # class-level state: one detector per process; a previous one is replaced
         nvrx.Detector.shutdown()
-    options = dict(scores_to_compute="all", gather_on_rank0=True, node_name=host_label())
+    options = dict(scores_to_compute="all", gather_on_rank0=True, node_name=host_label(), profiling_interval=sample_every)
     why = None if cuda else "no CUDA device"
     if why is None:
         try:
@@ -252,11 +253,13 @@ class Straggler(NullStraggler):
         self.warming_up = True  # until the first report step after a (re)start of the loop
         self.median_key = Statistic.MED
         self.cuda = device.type == "cuda"
-        self.detector, why = _initialize_detector(self.cuda)
+        self.samples_every = rcfg.straggler_samples_every()
+        self.detector, why = _initialize_detector(self.cuda, self.samples_every)
         self.profile = {name: self.cuda and why is None and name in KERNEL_SECTIONS for name in SECTIONS}
         if rank == 0:
             basis = "CUDA kernels (CUPTI)" if why is None else f"host-timed sections {' + '.join(LOCAL_SECTIONS)} ({why})"
-            log.info("straggler detection (%s): a report every %d steps, scores from %s", self.mode, self.every, basis)
+            log.info("straggler detection (%s): a report every %d steps of one step in %d timed, scores from %s",
+                     self.mode, self.every, self.samples_every, basis)
 
     def section(self, name: str) -> ContextManager[Any]:
         return self.detector.detection_section(name, profile_cuda=self.profile[name])
