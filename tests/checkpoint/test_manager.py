@@ -29,6 +29,7 @@ def test_async_save_returns_before_the_write_and_snapshots_the_state(tmp_path, p
     train_step(state, 1)
     mgr = manager(tmp_path, interval=2)
     try:
+        assert mgr.blocking_figures() is None
         before = snapshot(state)
         assert mgr.save(2, state) is True
         # save() returned while the writer is still inside the file: nothing committed, but the snapshot already
@@ -40,8 +41,12 @@ def test_async_save_returns_before_the_write_and_snapshots_the_state(tmp_path, p
         while committed_steps(mgr.dir) != [2]:  # not due: each call polls the writer, commits once it finished
             assert mgr.save(3, state) is False
             time.sleep(0.1)
+        assert mgr.blocking_figures()["count"] == 1
         mgr.save(4, state, last_step=True)
         assert committed_steps(mgr.dir) == [2, 4]
+        figures = mgr.blocking_figures()  # the run's summary.json carries them: the host time each checkpoint took
+        assert figures["count"] == 2 and 0 < figures["median_s"] <= figures["p90_s"] <= figures["max_s"]
+        assert figures["max_s"] == round(max(mgr.blocking_s), 4)
         fresh = make_state(seed=1)
         mgr2 = manager(tmp_path, node_local=False)  # a new manager on a new node: reads the disk
         try:

@@ -334,6 +334,7 @@ def _steps(
         "final_loss": global_mean(loss, env.world_size),
         "wall_time_s": time.time() - res.started_at,
         "world_size": env.world_size,
+        "snapshot_blocking": checkpointer.blocking_figures(),  # this process's memory checkpoints, host-thread time
     }
     res.metrics.log(summary)
     ft.on_train_end(progress.step)  # FT: ledger summary (goodput)

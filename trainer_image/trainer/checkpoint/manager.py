@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -222,6 +224,17 @@ class CheckpointManager:
             self._complete_staging(wait=True)
         if self.blocking_s:
             self.blocking_s[-1] += time.perf_counter() - started
+
+    def blocking_figures(self) -> dict[str, Any] | None:
+        """How long this process's memory checkpoints held the training loop's host thread (``save`` from its
+        decision to take one until it returned, plus any wait for the copy before the next step): count, median,
+        90th percentile and max in seconds; None before the first."""
+        if not self.blocking_s:
+            return None
+        ordered = sorted(self.blocking_s)
+        p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]  # nearest rank
+        return {"count": len(ordered), "median_s": round(statistics.median(ordered), 4), "p90_s": round(p90, 4),
+                "max_s": round(ordered[-1], 4)}
 
     def latest_in_memory(self) -> Slot | None:
         """This rank's newest complete memory checkpoint, or None."""
