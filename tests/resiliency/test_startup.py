@@ -88,3 +88,12 @@ def test_in_process_phases_split_the_time_from_the_fault_to_the_reentry_at_each_
     # moments not noted (or stale: before the fault) leave their time to the next phase; "wrapper" ends at the re-entry
     assert in_process_phases(100.0, (100.4, 101.2), {"left_train": 90.0}, 102.0) == pytest.approx(
         {"detect": 0.4, "abort": 0.8, "wrapper": 0.8})
+
+
+def test_unfrozen_summary_counts_what_a_full_collection_scans_and_names_packages_imported_since_the_freeze():
+    code = ("import gc, sys; sys.path.insert(0, 'trainer_image'); from trainer import startup; startup.freeze_collector(); "
+            "import json, email.mime.text; keep = [[i] for i in range(5000)]; print(startup.unfrozen_summary())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    count, packages = out.split(" objects outside the frozen set; modules imported since the freeze: ")
+    assert int(count) >= 5000  # the lists made after the freeze; everything before it is left out
+    assert "email (" in packages and "sys" not in packages

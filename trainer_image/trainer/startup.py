@@ -107,6 +107,35 @@ class StartClock:
 CLOCK = StartClock()
 
 
+FROZEN_MODULES: set[str] = set()
+"""``sys.modules`` when ``freeze_collector`` ran."""
+
+
+def freeze_collector() -> None:
+    """``gc.freeze()``: what exists now (the imported modules, this process's resources) is never scanned again by a
+    full collection, which NVRx runs before every in-process restart (``while gc.collect()``)."""
+    import gc
+    import sys
+
+    FROZEN_MODULES.update(sys.modules)
+    gc.freeze()
+
+
+def unfrozen_summary(top: int = 6) -> str:
+    """How many objects a full collection scans (tracked outside the frozen set) and which top-level packages were
+    imported since the freeze (their objects are among them), for the log at the end of a start's first step."""
+    import gc
+    import sys
+
+    counts: dict[str, int] = {}
+    for name in set(sys.modules) - FROZEN_MODULES:
+        package = name.split(".", 2)
+        key = ".".join(package[:2]) if package[0] == "torch" else package[0]
+        counts[key] = counts.get(key, 0) + 1
+    packages = ", ".join(f"{k} ({n})" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]) or "none"
+    return f"{len(gc.get_objects())} objects outside the frozen set; modules imported since the freeze: {packages}"
+
+
 def warm_cuda(device: str, local_rank: int) -> None:
     """Import torch, then create this rank's CUDA context in a background thread while the main thread imports the
     rest (the trainer, FSDP, NVRx): the context is created inside a tensor allocation, which releases the GIL.

@@ -28,7 +28,7 @@ from trainer.config import ModelConfig
 from trainer.config_checks import ConfigError
 from trainer.hf import adapter as hf_adapter
 from trainer.hf.errors import BaseModelFilesError
-from trainer.hf.reader import INDEX, SINGLE, SafetensorsFiles, load_into
+from trainer.hf.reader import INDEX, SafetensorsFiles, load_into
 
 log = logging.getLogger(__name__)
 

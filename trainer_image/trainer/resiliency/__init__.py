@@ -34,7 +34,6 @@ Plus: SIGTERM (preemption) handling, fault injection (``trainer.faults``), the r
 # No ``from __future__ import annotations``: NVRx injects the CallWrapper by the evaluated annotation.
 import contextlib
 import datetime
-import gc
 import logging
 import os
 import signal
@@ -311,6 +310,8 @@ class Layers:
             return None
         abort, clock.abort = (clock.abort if clock.reentry else None), None
         startup.report(log, phases, clock.reentry, abort)
+        if self.call_wrapper is not None:  # what the Wrapper's full collections will scan at the next restart
+            log.info("garbage collector: %s", startup.unfrozen_summary())
         return {"origin": clock.origin, "phases": phases, "abort": abort, "marks": clock.take_marks()}
 
     def on_train_end(self, steps: int) -> None:
@@ -352,7 +353,7 @@ def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
     layers.preemption.install()
     # FT: NVRx collects garbage in full before every in-process restart (``while gc.collect()``): the ~260k objects of
     # the imported modules and of this process's resources, frozen here, are not scanned again (0.15 s a pass on CPU)
-    gc.freeze()
+    startup.freeze_collector()
     startup.CLOCK.mark("layers")
     try:
         if res.cfg.resiliency.inprocess:
