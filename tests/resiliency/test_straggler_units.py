@@ -56,7 +56,7 @@ def test_straggler_defaults():
 
 
 @pytest.mark.parametrize("every, sample, resolved", [(100, 0, 10), (10, 0, 1), (5, 0, 1), (30, 0, 3), (25, 0, 1),
-                                                      (40, 0, 4), (100, 20, 20)])
+                                                      (40, 0, 4), (100, 20, 20), (100, 1, 1)])
 def test_straggler_samples_default_to_a_tenth_of_the_report_interval_dividing_it(every, sample, resolved):
     r = ResiliencyConfig(straggler_report_every=every, straggler_sample_every=sample)
     r.validate()
@@ -208,6 +208,30 @@ def test_detector_times_one_step_in_straggler_sample_every(tmp_path):
     (record,) = sink.records  # step 20 closed the start-up interval; step 40 reports steps 21-40
     assert record["step"] == 40
     assert record["ranks"][0]["sections"]["data"]["median_ms"] >= 50.0  # only the timed (slow) entries count
+
+
+def test_a_cuda_report_waits_for_the_loops_stream_only_not_the_snapshot_copy_on_its_side_stream(tmp_path, monkeypatch):
+    cfg = load_config("tiny", ["--data.path=/d", f"--train.run_dir={tmp_path}"])
+    layers = Layers.create(cfg, 0, 1, 0, torch.device("cpu"))
+    waited = []
+
+    class Stream:
+        def synchronize(self):
+            waited.append("loop stream")
+
+    def device_wide():  # what NVRx's generate_report calls first: it would wait for the snapshot's copy stream too
+        raise AssertionError("torch.cuda.synchronize() waits for every stream of the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    try:
+        layers.straggler.cuda = True  # the report path of a CUDA rank, on this CPU
+        with layers.section("data"):
+            time.sleep(0.001)
+        report = layers.straggler._report()
+    finally:
+        layers.straggler.close()
+    assert waited == ["loop stream"] and report is not None
 
 
 def test_off_times_nothing(tmp_path):

@@ -209,12 +209,11 @@ class ResiliencyConfig:
     straggler_report_every: int = 100
     """Steps between straggler reports (every rank reports on the same steps: a few small collectives). Each
     report scores the median section times of the steps since the previous one, so fewer than ~10 is noisy."""
-    straggler_sample_every: int = 0
-    """Time one step in this many for the straggler reports (NVRx's ``profiling_interval``); 0: a tenth of
-    ``straggler_report_every``, rounded down to a divisor of it (10 samples a report; every step below 20).
-    On a GPU each timed step's kernels are traced with CUPTI and a report processes every trace since the last:
-    at one step in one, a report of 100 steps of ``1b`` stalled its step for 0.34 s on H200. Must divide
-    ``straggler_report_every``, so every report holds the same number of samples."""
+    straggler_sample_every: int = 1
+    """Time one step in this many for the straggler reports (NVRx's ``profiling_interval``, which NVRx advises
+    raising to cut its profiling overhead: where its CUPTI extension loads, every timed step's kernels are traced).
+    Must divide ``straggler_report_every``, so every report holds the same number of samples; 0: a tenth of it,
+    rounded down to a divisor (10 samples a report)."""
     straggler_threshold: float = 0.75
     """A rank whose relative score (the fastest rank's time / its own, in (0, 1]) is below this is a straggler;
     0.75 names a rank 1.33x slower than the fastest. Between 0 and 1."""
