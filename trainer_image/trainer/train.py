@@ -158,6 +158,9 @@ def train(
     cfg, env, device = res.cfg, res.env, res.device
     ft = ft or resiliency.NULL()  # FT: recovery layers (resiliency.run); all no-ops when called directly
     startup.CLOCK.entered_train()  # FT: phases of this (re)start, logged at its first step
+    if startup.CLOCK.reentry and device.type == "cuda":  # FT: what the failed attempt left allocated (its model?)
+        log.info("in-process restart: %.2f GiB of device memory allocated at the re-entry of train() (peak so far "
+                 "%.2f GiB)", torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
