@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmark driver: every figure of BENCHMARKS.md as JSON lines in $OUT/figures.jsonl (and on stdout).
 #
-#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery goodput
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery injob goodput
 #
 # Runs on the lent H200 machine (source bench/gpu_env.sh first there) or any CUDA host with the project
 # installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `recovery` alone
@@ -72,6 +72,17 @@ part_checkpoint() {  # the tiers as a run uses them, on one GPU (18 GB of state)
   done
 }
 
+part_injob() {  # ~1 minute: one in-job restart (SIGKILL at step 35 of 45, node-local tier), a peer for the goodput
+  # run's in-job restart in the same call (e.g. TRAINER_STANDBY=0 here against the goodput run's default)
+  ensure_data
+  faulty "injob" 1 --train.steps=45 --checkpoint.interval=10 --checkpoint.persist_every=0 \
+    --resiliency.faults=0:35:sigkill
+  python3 bench/figures.py recovery "$OUT/injob" | fig
+  grep -hE "start phases|standby|restored step|injecting fault|Worker group|garbage collector" "$OUT/injob.log" \
+    | cut -c1-260 > "$OUT/injob-events.log"
+  rm -rf "$CKPT_ROOT/injob"
+}
+
 part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) recovery, 1b eager on one GPU
   ensure_data
   # Snapshots every 10 steps (node-local publication on); nothing persisted before the final save. The exception
@@ -98,7 +109,7 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   python3 bench/figures.py goodput "$OUT/goodput" --interval 10 | fig  # strict goodput, start-up, final save
   python3 bench/figures.py recovery "$OUT/goodput" | fig
   python3 bench/figures.py starts "$OUT/goodput" | fig
-  grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed|skipped|behind|caught up|start phases" \
+  grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed|skipped|behind|caught up|start phases|standby|garbage collector|in-process restart:" \
     "$OUT/goodput.log" | cut -c1-240 > "$OUT/goodput-events.log"
   tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log  # the whole run directory, as one file
   rm -rf "$CKPT_ROOT/goodput"
