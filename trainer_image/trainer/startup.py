@@ -123,3 +123,21 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tu
     before = f" (the in-process abort before it took {abort[1] - abort[0]:.2f} s)" if reentry and abort else ""
     log.info("start phases (s): %s; %.2f s from %s to the end of the first step%s", parts, phases["total"], since,
              before)
+    first_step_done()
+
+
+def first_step_done() -> None:
+    """This worker finished its first step: the standby server (``trainer/standby.py``) may now warm a replacement
+    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``); nothing without that directory."""
+    from trainer.handoff import FIRST_STEP_MARKER, STANDBY_DIR_ENV
+
+    directory = os.environ.get(STANDBY_DIR_ENV)
+    if not directory:
+        return
+    path = os.path.join(directory, FIRST_STEP_MARKER.format(rank=os.environ.get("LOCAL_RANK", "0")))
+    try:  # FT: a standby for the next in-job restart is warmed only now, after this start-up and restore
+        with open(path, "a"):
+            pass
+        os.utime(path)
+    except OSError:  # the job is ending (its directory is gone): no standby needed
+        pass
