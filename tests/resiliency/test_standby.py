@@ -191,3 +191,100 @@ def test_import_time_environment(theirs, why):
     assert (reason is None) if why is None else (why in reason), reason
     assert "module search path" in import_time_mismatch(mine, mine, ["a"], ["b"])
     assert "OMP_NUM_THREADS is set for the standby" in import_time_mismatch({"OMP_NUM_THREADS": "4"}, {}, [], [])
+
+
+# --- end to end -----------------------------------------------------------------------------------------------
+
+E2E_STEPS = 60  # long enough for both standbys to warm (at the lowest priority, on 2 busy cores) before the kill
+
+
+def _e2e_args(run_dir: Path, dataset: Path) -> list[str]:
+    from test_recovery import BASE, node_dir
+
+    return [*BASE, f"--train.steps={E2E_STEPS}", f"--data.path={dataset}", f"--train.run_dir={run_dir}",
+            f"--checkpoint.node_local_dir={node_dir(run_dir)}"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    return dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+
+
+def _standby_processes(tag: str) -> list[int]:
+    """Standbys (warm, or running as workers) whose command line names ``tag`` (their job's directory)."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"trainer.standby" in cmdline and tag.encode() in cmdline and _alive(int(entry)):
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.multiprocess
+@pytest.mark.serial
+def test_sigkilled_worker_is_replaced_by_the_warm_standbys(tmp_path, tiny_dataset):
+    """Under entrypoint.sh with TRAINER_STANDBY=1: once both standbys are warm, a worker is SIGKILLed; the
+    restarted workers are the standbys, training ends bit-identical to a fault-free run, and nothing is left."""
+    import re
+    import shutil
+    import tempfile
+
+    from test_recovery import ENTRYPOINT, FT_ENV, GRACE, VENV_BIN, _assert_nothing_left, assert_same_weights, \
+        events, torchrun
+    from testlib import free_port
+    from trainer.checkpoint import load_model_weights
+
+    reference_dir = tmp_path / "reference"
+    rc, out, _ = torchrun(reference_dir, tiny_dataset, f"--train.steps={E2E_STEPS}", timeout=300)
+    assert rc == 0, out[-4000:]
+    reference = load_model_weights(reference_dir / "checkpoints")
+
+    run_dir = tmp_path / "run"
+    job_tmp = Path(tempfile.mkdtemp(prefix="sb-", dir="/tmp"))
+    port = free_port()
+    env = {**os.environ, **FT_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(job_tmp), "TRAINER_STANDBY": "1"}
+    shm_before = set(os.listdir("/dev/shm"))
+    job = subprocess.Popen([str(ENTRYPOINT), *_e2e_args(run_dir, tiny_dataset), *GRACE], env=env, cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        sockets = lambda: list(job_tmp.glob("trainer-job.*/standby/standby-*.sock"))  # noqa: E731
+        _wait(lambda: len(sockets()) == 2 or job.poll() is not None, "both standbys warm", timeout=240)
+        assert job.poll() is None, "the run ended before its standbys were warm: raise E2E_STEPS"
+        launcher = next(p for p in _children(job.pid) if b"ft_launcher" in Path(f"/proc/{p}/cmdline").read_bytes())
+        own = Path(f"/proc/{launcher}/cmdline").read_bytes()  # its forked rank monitors carry it
+        workers = [p for p in _children(launcher) if Path(f"/proc/{p}/cmdline").read_bytes() != own]
+        victim = next(p for p in workers if _environ(p)[b"RANK"] == b"1")
+        killed_at = len(events(run_dir, "start"))
+        os.kill(victim, signal.SIGKILL)
+        out, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    print(out[-6000:])
+    assert job.returncode == 0, out[-4000:]
+    took_over = dict(re.findall(r"standby worker \(pid (\d+), warm for [\d.]+ s\) took over local rank (\d)", out))
+    assert sorted(took_over.values()) == ["0", "1"], out[-4000:]
+    restarts = events(run_dir, "restart")
+    assert {r["layer"] for r in restarts} == {"injob"} and {str(r["pid"]) for r in restarts} == set(took_over), \
+        "the restarted workers are the standbys"
+    (recovered,) = events(run_dir, "recovered")
+    first = [float(m) for m in re.findall(r"\[rank0\] .*start phases \(s\): import ([\d.]+)", out)]
+    print(f"import phase, rank 0: first start {first[0]:.2f} s (no standby), in-job restart "
+          f"{recovered['phases']['import']:.2f} s (standby); recovery {recovered['recovery_s']:.2f} s, phases "
+          f"{recovered['phases']}; kill after {killed_at} start record(s)")
+    assert_same_weights(run_dir, reference)
+    _assert_nothing_left(run_dir, port, shm_before)
+    _wait(lambda: not _standby_processes(str(job_tmp)), "the end of every standby and standby worker", timeout=10)
+    assert not list(job_tmp.iterdir()), "the job's TMPDIR (standby sockets included) is removed"
+    shutil.rmtree(job_tmp, ignore_errors=True)
