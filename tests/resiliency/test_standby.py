@@ -288,3 +288,12 @@ def test_sigkilled_worker_is_replaced_by_the_warm_standbys(tmp_path, tiny_datase
     _wait(lambda: not _standby_processes(str(job_tmp)), "the end of every standby and standby worker", timeout=10)
     assert not list(job_tmp.iterdir()), "the job's TMPDIR (standby sockets included) is removed"
     shutil.rmtree(job_tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "on"])
+def test_entrypoint_rejects_a_bad_trainer_standby(value):
+    env = {"PATH": "/usr/bin:/bin", "TRAINER_STANDBY": value}
+    result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"], capture_output=True,
+                            text=True, timeout=30, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"entrypoint: TRAINER_STANDBY must be True or False (1 or 0); got '{value}'"
