@@ -174,7 +174,7 @@ class Standby:
         listener.listen(4)
         os.replace(partial, path)  # connectable as soon as it is there
         self.ready_at = time.monotonic()
-        self._status(f"ready{self.note}")
+        self._status(f"ready{self.note}; {_resident_mib()} MiB resident")
         while True:
             conn, _ = listener.accept()
             taken = self._handle(conn, listener, path)
@@ -271,6 +271,16 @@ class Standby:
                 self.status.write(line + "\n")
             except OSError:
                 pass
+
+
+def _resident_mib() -> str:
+    """This process's resident host memory (VmRSS), in MiB: what a warm standby costs the node."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return str(kib // 1024)
+    except (OSError, StopIteration, ValueError):
+        return "?"
 
 
 def warm_main(args: argparse.Namespace) -> int:
