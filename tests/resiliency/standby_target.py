@@ -1,7 +1,8 @@
 """What a standby runs instead of the trainer in tests/resiliency/test_standby.py (``--target standby_target:main``).
 
 ``exit N``: print a line naming this process on stdout, return N. ``os_exit N``: ``os._exit(N)`` (the trainer's fast
-exits). ``sleep DIR``: write ``DIR/pid`` and wait; SIGTERM writes ``DIR/sigterm`` and exits 143.
+exits). ``sleep DIR``: write ``DIR/pid`` and wait; SIGTERM writes ``DIR/sigterm`` and exits 143. ``hang_gil DIR``: write
+``DIR/pid``, then sleep in a C call that holds the GIL.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         os._exit(int(arg))
     directory = Path(arg)
+    if action == "hang_gil":  # stuck in a C call that holds the GIL, as a rank stuck in a driver call
+        import ctypes
+
+        (directory / "pid").write_text(str(os.getpid()))
+        ctypes.PyDLL(None).sleep(600)
 
     def on_sigterm(signum: int, frame: object) -> None:
         (directory / "sigterm").write_text(str(os.getpid()))

@@ -145,9 +145,11 @@ def test_kill_9_of_the_worker_kills_the_proxy_by_sigkill(standby, tmp_path):
     assert proxy.returncode == -signal.SIGKILL, "ft_launcher must see a signal death"
 
 
-def test_kill_9_of_the_proxy_kills_the_worker(standby, tmp_path):
+@pytest.mark.parametrize("action", ["sleep", "hang_gil"])
+def test_kill_9_of_the_proxy_kills_the_worker(standby, tmp_path, action):
+    """Even a worker stuck in a C call that holds the GIL (its own threads cannot run) dies at once."""
     s = standby()
-    proxy = launch(s.directory, "sleep", str(tmp_path))
+    proxy = launch(s.directory, action, str(tmp_path))
     _wait(lambda: (tmp_path / "pid").exists(), "the worker's start")
     proxy.kill()
     proxy.communicate(timeout=30)

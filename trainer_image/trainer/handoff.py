@@ -63,7 +63,7 @@ def hand_over() -> int | None:
         return None
     signals = _Forwarder()
     try:
-        reply = _request(sock)
+        reply, rest = _request(sock)
     except (OSError, ValueError) as exc:
         sock.close()
         signals.restore()
@@ -75,7 +75,7 @@ def hand_over() -> int | None:
         _say(f"the standby for local rank {local_rank} refused: {reply.get('reason', '?')}; starting normally")
         return None
     signals.target(int(reply["pid"]))
-    code = _wait_for_exit(sock)
+    code = _wait_for_exit(sock, rest)
     if code is not None:
         return code
     # FT: the worker died by a signal: stop its group (as ft_launcher stops a worker's) and die by one too
@@ -89,7 +89,8 @@ def hand_over() -> int | None:
     return None  # not reached
 
 
-def _request(sock: socket.socket) -> dict:
+def _request(sock: socket.socket) -> tuple[dict, bytes]:
+    """Send the request; the standby's reply, and what the worker sent after it in the same read."""
     from trainer.startup import process_start_time  # standard library only
 
     body = json.dumps({"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
@@ -97,29 +98,30 @@ def _request(sock: socket.socket) -> dict:
     socket.send_fds(sock, [HEADER.pack(len(body))], [0, 1, 2])
     sock.sendall(body)
     sock.settimeout(REPLY_TIMEOUT_S)
-    line = b""
-    while not line.endswith(b"\n"):
+    received = b""
+    while b"\n" not in received:
         chunk = sock.recv(4096)
         if not chunk:
             raise ValueError("it closed the connection")
-        line += chunk
+        received += chunk
     sock.settimeout(None)
-    return json.loads(line)
+    line, rest = received.split(b"\n", 1)
+    return json.loads(line), rest
 
 
-def _wait_for_exit(sock: socket.socket) -> int | None:
-    """The last ``exit <code>`` the worker sent before its end closed the socket; None if it sent none."""
+def _wait_for_exit(sock: socket.socket, buffer: bytes) -> int | None:
+    """The last ``exit <code>`` the worker sent before its end closed the socket (``buffer``: what was read with
+    the reply); None if it sent none."""
     code: int | None = None
-    buffer = b""
     while True:
-        chunk = sock.recv(4096)
-        if not chunk:
-            return code
-        buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
             if line.startswith(b"exit "):
                 code = int(line.split()[1])
+        chunk = sock.recv(4096)
+        if not chunk:
+            return code
+        buffer += chunk
 
 
 class _Forwarder:

@@ -78,10 +78,26 @@ def import_time_mismatch(mine: dict[str, str], theirs: dict[str, str], my_path: 
     return None
 
 
+WATCHER = """
+import ctypes, os, signal, socket, sys
+worker, fd = int(sys.argv[1]), int(sys.argv[2])
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the worker
+if os.getppid() != worker:
+    sys.exit(0)
+link = socket.socket(fileno=fd)
+while link.recv(64):
+    pass
+os.killpg(worker, signal.SIGKILL) if os.getpgid(worker) == worker else os.kill(worker, signal.SIGKILL)
+"""
+"""The lifeline's watcher, a child process of the worker: it blocks on the proxy's socket and ends the worker's
+process group when the proxy dies. A process, not a thread: a worker hung in a C call that holds the GIL (a stuck
+driver call) could not run a thread's kill."""
+
+
 class Lifeline:
     """The worker's link to its proxy (the launched process): it reports the exit code, and ends the worker's
     process group at once if the proxy dies first (ft_launcher's SIGKILL, ``kill -9``), as ft_launcher's own
-    SIGKILL of a worker's group would."""
+    SIGKILL of a worker's group would (``WATCHER``)."""
 
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
@@ -89,7 +105,9 @@ class Lifeline:
         self._exit = os._exit
 
     def start(self) -> None:
-        threading.Thread(target=self._watch, name="standby-lifeline", daemon=True).start()
+        # FT: the proxy is this worker's only tie to ft_launcher: nothing may outlive it
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHER, str(self.pid), str(self.conn.fileno())],
+                         pass_fds=(self.conn.fileno(),), stdin=subprocess.DEVNULL)
         os.register_at_fork(after_in_child=self.conn.close)  # a forked child must not keep the proxy waiting
         os._exit = self._reporting_exit  # the trainer's fast exits (SIGTERM, preemption deadline) report too
 
@@ -104,17 +122,6 @@ class Lifeline:
     def _reporting_exit(self, code: int) -> None:
         self.report(code)
         self._exit(code)
-
-    def _watch(self) -> None:
-        try:
-            while self.conn.recv(64):
-                pass
-        except OSError:
-            pass
-        # FT: the proxy is dead: nothing may outlive it (ft_launcher already counts this rank as gone)
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Standby:
