@@ -21,6 +21,12 @@
 #                                       dead worker goes unnoticed (every in-job restart waits up to it), default 0.1
 #   FT_RESTART_POLICY                   any-failed (default) or min-healthy
 #   FT_ENABLE_NIC_MONITOR               True/False; default True only where an NVIDIA driver is present
+#   TRAINER_STANDBY                     True/False (or 1/0): keep one warm standby worker per local rank
+#                                       (trainer/standby.py: torch, the trainer and NVRx imported, its CUDA context
+#                                       made), warmed after that rank's worker finished its first step; a worker
+#                                       that ft_launcher restarts hands its rank over to it, which skips most of
+#                                       the restart's start-up. Costs one Python process and one CUDA context per
+#                                       local rank. Default True only where an NVIDIA driver is present
 #
 # Exit codes (trainer/exitcodes.py): ft_launcher itself exits 1 for every failure, so this script does not
 # `exec` it: it runs it as a child (forwarding SIGTERM/SIGINT, so preemption reaches the launcher, which
@@ -78,6 +84,15 @@ elif [[ -e /proc/driver/nvidia/version ]]; then
 else
   nic_monitor=False  # CPU host: no NVML, no GPU-to-NIC map
 fi
+standby="${TRAINER_STANDBY:-}"
+if [[ -z "$standby" ]]; then
+  [[ -e /proc/driver/nvidia/version ]] && standby=1 || standby=0  # on CPU hosts a restart has no CUDA to warm
+fi
+case "$standby" in
+  True|true|1) standby=1 ;;
+  False|false|0) standby=0 ;;
+  *) log "TRAINER_STANDBY must be True or False (1 or 0); got '$standby'"; exit "$CONFIG_ERROR" ;;
+esac
 
 [[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]] || { log "PET_NNODES must be N or MIN:MAX; got '$nnodes'"; exit "$CONFIG_ERROR"; }
 for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:$master_port" \
@@ -144,7 +159,16 @@ reap_node_memory() {
     done < "$owner"
   done
 }
-trap 'reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
+standby_pid=""
+stop_standby() {  # the server ends its warm standbys (and they die with it: PR_SET_PDEATHSIG)
+  [[ -n "$standby_pid" ]] || return 0
+  kill -s TERM "$standby_pid" 2>/dev/null
+  local i
+  for i in {1..50}; do kill -0 "$standby_pid" 2>/dev/null || break; sleep 0.1; done
+  kill -s KILL "$standby_pid" 2>/dev/null
+  wait "$standby_pid" 2>/dev/null
+}
+trap 'stop_standby; reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
 exit_dir="$job_tmp/exit-codes"
 mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
 export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
@@ -152,6 +176,13 @@ export PYTHONUNBUFFERED=1
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
 # keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
+# Warm standby workers (trainer/standby.py), started with the environment the workers inherit, so what they
+# imported matches; a worker whose import-time environment differs runs itself (one line says why).
+if (( standby )) && mkdir "$job_tmp/standby"; then
+  export TRAINER_STANDBY_DIR="$job_tmp/standby"
+  python3 -m trainer.standby serve --nproc "$nproc" --dir "$TRAINER_STANDBY_DIR" &
+  standby_pid=$!
+fi
 
 launcher=(
   "${FT_LAUNCHER:-ft_launcher}"

@@ -1,3 +1,10 @@
-from trainer.cli import main
+from trainer.handoff import hand_over
+
+# FT: a warm standby of this local rank (trainer/standby.py) runs the worker if one is there; this process is its proxy
+code = hand_over()
+if code is not None:
+    raise SystemExit(code)
+
+from trainer.cli import main  # noqa: E402 - only when no standby took over (imports torch)
 
 raise SystemExit(main())

@@ -5,7 +5,8 @@ rank (``start phases (s): ...``) and, on rank 0 after a fault, in the ledger's `
 Phases of a new process, in order (each ends where the next begins):
 
 - ``import``: interpreter start, argument parsing and module imports (from the process's creation, read from
-  ``/proc``);
+  ``/proc``); when a warm standby (``trainer/standby.py``) took over, the launched process's start and the handoff
+  (the clock's origin is still the launched process's creation);
 - ``resources``: device and CUDA context, dataset, metrics and checkpoint manager (``Resources.create``);
 - ``layers``: recovery ledger, node health checks, heartbeat client (``resiliency.Layers``);
 - ``wrapper``: the in-process Wrapper's stores and monitor process, and the heartbeat connection, until
@@ -165,3 +166,21 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tu
     before = f" (the in-process abort before it took {abort[1] - abort[0]:.2f} s)" if reentry and abort else ""
     log.info("start phases (s): %s; %.2f s from %s to the end of the first step%s", parts, phases["total"], since,
              before)
+    first_step_done()
+
+
+def first_step_done() -> None:
+    """This worker finished its first step: the standby server (``trainer/standby.py``) may now warm a replacement
+    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``); nothing without that directory."""
+    from trainer.handoff import FIRST_STEP_MARKER, STANDBY_DIR_ENV
+
+    directory = os.environ.get(STANDBY_DIR_ENV)
+    if not directory:
+        return
+    path = os.path.join(directory, FIRST_STEP_MARKER.format(rank=os.environ.get("LOCAL_RANK", "0")))
+    try:  # FT: a standby for the next in-job restart is warmed only now, after this start-up and restore
+        with open(path, "a"):
+            pass
+        os.utime(path)
+    except OSError:  # the job is ending (its directory is gone): no standby needed
+        pass

@@ -1,0 +1,438 @@
+"""Warm standby workers for the in-job restart: a restarted worker skips the imports and the CUDA context.
+
+A restarted worker spends most of its start importing torch, the trainer and NVRx, and making its CUDA context
+(``startup``'s ``import`` and ``model`` phases). ``entrypoint.sh`` (knob ``TRAINER_STANDBY``) runs one server per
+node, ``python -m trainer.standby serve``, which keeps at most one warm standby process per local rank in
+``$TRAINER_STANDBY_DIR``:
+
+- a standby (``python -m trainer.standby warm``) is spawned for local rank R once R's current worker finished its
+  first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or a restore;
+  it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
+  runs at the normal one). It imports what the trainer imports, sets its device and makes its CUDA context and a
+  cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
+  warm without them and says so once), then listens on ``standby-R.sock``. It dies with the server
+  (``PR_SET_PDEATHSIG``);
+- a launched worker (``python -m trainer``) hands itself over to it (``trainer/handoff.py``), and becomes its proxy;
+  the standby checks that the environment read at import or CUDA-init time is the same as its own
+  (``import_time_mismatch``), then takes the worker's environment, working directory, stdio, command line and start
+  time, and runs the trainer's ``main``. Its pid is the worker's pid: NVRx's rank monitor, the in-process Wrapper's
+  monitor, the reaper's ``owner-<pid>`` records and the exit-code files all see the real worker;
+- when a standby is taken, the server spawns its replacement on the same rule (after the new worker's first step).
+
+What it costs: one more Python process per local rank with torch, the trainer and NVRx imported, and on a GPU one
+more CUDA context (and cuBLAS workspace) on that rank's device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainer.handoff import FIRST_STEP_MARKER, HEADER, STANDBY_DIR_ENV, socket_path
+
+DEFAULT_TARGET = "trainer.cli:main"
+WARM_IMPORTS = {DEFAULT_TARGET: ("torch", "trainer.resiliency", "trainer.ledger", "trainer.train")}
+"""What a standby imports for its target, besides the target's module: what ``trainer.cli`` imports lazily."""
+IMPORT_TIME_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "NVIDIA_TF32_OVERRIDE")
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "CUBLAS", "PYTHON")
+"""Variables read when the interpreter starts, torch is imported, or the CUDA context / cuBLAS handle is made
+(CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF, PYTHONPATH ...): a standby whose values differ refuses."""
+READ_LATER_PREFIXES = ("TORCH_NCCL_",)
+"""Read when a process group is created, after the handoff (ft_launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
+POLL_S = 0.2
+MAX_FAILURES = 3
+"""Standbys of one local rank that die before they are used, in a row, before the server stops making them."""
+WARM_NICE = 19
+PR_SET_PDEATHSIG = 1
+
+
+def _say(line: str) -> None:
+    print(f"standby: {line}", file=sys.stderr, flush=True)
+
+
+# --- the standby process --------------------------------------------------------------------------------------
+
+def import_time_mismatch(mine: dict[str, str], theirs: dict[str, str], my_path: list[str],
+                         their_path: list[str]) -> str | None:
+    """Why a standby with environment ``mine`` cannot run a worker launched with ``theirs`` (None: it can)."""
+    if my_path != their_path:
+        return f"the module search path differs (standby: {my_path}, worker: {their_path})"
+    for name in sorted(set(mine) | set(theirs)):
+        checked = name in IMPORT_TIME_ENV or name.startswith(IMPORT_TIME_PREFIXES)
+        if not checked or name.startswith(READ_LATER_PREFIXES) or mine.get(name) == theirs.get(name):
+            continue
+        return f"{name} differs (standby: {mine.get(name)!r}, worker: {theirs.get(name)!r})"
+    if "OMP_NUM_THREADS" in mine and "OMP_NUM_THREADS" not in theirs:
+        return f"OMP_NUM_THREADS is set for the standby ({mine['OMP_NUM_THREADS']}), not for the worker"
+    return None
+
+
+WATCHER = """
+import ctypes, os, signal, socket, sys
+worker, fd = int(sys.argv[1]), int(sys.argv[2])
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the worker
+if os.getppid() != worker:
+    sys.exit(0)
+link = socket.socket(fileno=fd)
+while link.recv(64):
+    pass
+os.killpg(worker, signal.SIGKILL) if os.getpgid(worker) == worker else os.kill(worker, signal.SIGKILL)
+"""
+"""The lifeline's watcher, a child process of the worker: it blocks on the proxy's socket and ends the worker's
+process group when the proxy dies. A process, not a thread: a worker hung in a C call that holds the GIL (a stuck
+driver call) could not run a thread's kill."""
+
+
+class Lifeline:
+    """The worker's link to its proxy (the launched process): it reports the exit code, and ends the worker's
+    process group at once if the proxy dies first (ft_launcher's SIGKILL, ``kill -9``), as ft_launcher's own
+    SIGKILL of a worker's group would (``WATCHER``)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.pid = os.getpid()
+        self._exit = os._exit
+
+    def start(self) -> None:
+        # FT: the proxy is this worker's only tie to ft_launcher: nothing may outlive it
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHER, str(self.pid), str(self.conn.fileno())],
+                         pass_fds=(self.conn.fileno(),), stdin=subprocess.DEVNULL)
+        os.register_at_fork(after_in_child=self.conn.close)  # a forked child must not keep the proxy waiting
+        os._exit = self._reporting_exit  # the trainer's fast exits (SIGTERM, preemption deadline) report too
+
+    def report(self, code: int) -> None:
+        if os.getpid() != self.pid:
+            return
+        try:
+            self.conn.sendall(f"exit {int(code)}\n".encode())
+        except OSError:  # the proxy is gone: the watcher ends this process
+            pass
+
+    def _reporting_exit(self, code: int) -> None:
+        self.report(code)
+        self._exit(code)
+
+
+class Standby:
+    """One warm standby of one local rank (``python -m trainer.standby warm``)."""
+
+    def __init__(self, local_rank: int, directory: str, target: str, status_fd: int | None) -> None:
+        self.local_rank = local_rank
+        self.directory = directory
+        self.target = target
+        self.status = os.fdopen(status_fd, "w", buffering=1) if status_fd is not None else None
+        self.note = ""
+        self.ready_at = 0.0
+
+    def warm(self) -> None:
+        """Imports and the CUDA context, in a thread at the lowest priority."""
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                os.nice(WARM_NICE)  # this thread only (Linux)
+                module, _ = self.target.split(":")
+                for name in (*WARM_IMPORTS.get(self.target, ()), module):
+                    importlib.import_module(name)
+                self.note = self._cuda_context()
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=work, name="standby-warm-up")
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    def _cuda_context(self) -> str:
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_available():
+            return ""
+        if self.local_rank >= torch.cuda.device_count():
+            return f"; no CUDA context (local rank {self.local_rank} has no GPU among {torch.cuda.device_count()})"
+        try:
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+            ones = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            (ones @ ones).sum().item()  # the context, the allocator and a cuBLAS handle
+            return f"; CUDA context on cuda:{self.local_rank}"
+        except Exception as exc:  # noqa: BLE001 - e.g. EXCLUSIVE_PROCESS mode while the worker holds the GPU
+            line = " ".join(str(exc).split())[:200]
+            return f"; no CUDA context ({type(exc).__name__}: {line}): the worker it becomes makes one"
+
+    def serve(self) -> int:
+        """Listen until a launched worker hands itself over, then run as it; returns the exit code."""
+        path = socket_path(self.directory, self.local_rank)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        partial = f"{path}.{os.getpid()}"
+        Path(partial).unlink(missing_ok=True)
+        listener.bind(partial)
+        listener.listen(4)
+        os.replace(partial, path)  # connectable as soon as it is there
+        self.ready_at = time.monotonic()
+        self._status(f"ready{self.note}; {_resident_mib()} MiB resident")
+        while True:
+            conn, _ = listener.accept()
+            taken = self._handle(conn, listener, path)
+            if taken is not None:
+                return self._run(*taken)
+
+    def _handle(self, conn: socket.socket, listener: socket.socket, path: str) -> tuple | None:
+        fds: list[int] = []
+        taken = False
+        try:
+            conn.settimeout(10)
+            head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+            if len(head) != HEADER.size or len(fds) != 3:
+                raise ValueError("a malformed request")
+            (size,) = HEADER.unpack(head)
+            body = b""
+            while len(body) < size:
+                chunk = conn.recv(size - len(body))
+                if not chunk:
+                    raise ValueError("a truncated request")
+                body += chunk
+            request = json.loads(body)
+            conn.settimeout(None)
+            reason = import_time_mismatch(dict(os.environ), request["env"], sys.path, request["path"])
+            if reason is None and request["env"].get("LOCAL_RANK", "0") != str(self.local_rank):
+                reason = f"it is warm for local rank {self.local_rank}, not {request['env'].get('LOCAL_RANK')}"
+            if reason is not None:
+                conn.sendall((json.dumps({"ok": False, "reason": reason}) + "\n").encode())
+                raise ValueError(reason)
+            # FT: taken: from here this process is the worker of that local rank; the server makes a replacement
+            taken = True
+            listener.close()
+            Path(path).unlink(missing_ok=True)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)  # its life is its proxy's now
+            self._status(f"taken {time.time_ns()}")
+            if self.status is not None:
+                self.status.close()
+            group = os.getpgrp() == os.getpid()
+            conn.sendall((json.dumps({"ok": True, "pid": os.getpid(), "group": group}) + "\n").encode())
+        except (OSError, ValueError, KeyError) as exc:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            if taken:  # failed half-way through its takeover: nothing to go back to
+                raise SystemExit(f"standby: the handoff failed after it was taken: {exc}") from exc
+            return None
+        return conn, fds, request
+
+    def _run(self, conn: socket.socket, fds: list[int], request: dict) -> int:
+        lifeline = Lifeline(conn)
+        lifeline.start()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target_fd, fd in enumerate(fds):
+            os.dup2(fd, target_fd)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = list(request["argv"])
+        torch = sys.modules.get("torch")
+        threads = request["env"].get("OMP_NUM_THREADS", "")
+        if torch is not None and threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        startup = sys.modules.get("trainer.startup")
+        if startup is not None:  # the start clock's origin is the launched process's creation
+            startup.CLOCK = startup.StartClock(origin=float(request["start_time"]))
+        print(f"trainer: standby worker (pid {os.getpid()}, warm for {time.monotonic() - self.ready_at:.1f} s) "
+              f"took over local rank {self.local_rank} (rank {request['env'].get('RANK', '?')}, launched as pid "
+              f"{request['pid']})", file=sys.stderr, flush=True)
+        module, function = self.target.split(":")
+        try:
+            code = getattr(importlib.import_module(module), function)(sys.argv[1:])
+        except SystemExit as exc:
+            code = exc.code
+        except KeyboardInterrupt:
+            code = 128 + signal.SIGINT
+        except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        lifeline.report(code)  # again from os._exit, if an exit handler ends the process another way
+        return code
+
+    def _status(self, line: str) -> None:
+        if self.status is not None and not self.status.closed:
+            try:
+                self.status.write(line + "\n")
+            except OSError:
+                pass
+
+
+def _resident_mib() -> str:
+    """This process's resident host memory (VmRSS), in MiB: what a warm standby costs the node."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return str(kib // 1024)
+    except (OSError, StopIteration, ValueError):
+        return "?"
+
+
+def warm_main(args: argparse.Namespace) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # FT: never outlive the server
+    if args.parent and os.getppid() != args.parent:  # it died before the line above
+        return 0
+    standby = Standby(args.local_rank, args.dir, args.target, args.status_fd)
+    standby.warm()
+    return standby.serve()
+
+
+# --- the server -----------------------------------------------------------------------------------------------
+
+class _Rank:
+    """The server's view of one local rank: its warm (or warming) standby, and those that were taken."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self.status = b""
+        self.pipe: int | None = None
+        self.spawned = 0.0
+        self.taken_ns = 0
+        self.failures = 0
+        self.workers: list[subprocess.Popen] = []
+
+
+class Server:
+    """Keeps at most one standby per local rank (``python -m trainer.standby serve``)."""
+
+    def __init__(self, nproc: int, directory: str, target: str) -> None:
+        self.directory = directory
+        self.target = target
+        self.ranks = [_Rank(r) for r in range(nproc)]
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entrypoint forwards ^C to the launcher; its trap stops us
+        while not self.stopping:
+            for key, _ in self.selector.select(POLL_S):
+                self._read(key.data)
+            for rank in self.ranks:
+                self._check(rank)
+        self._shutdown()
+        return 0
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def _spawn(self, rank: _Rank) -> None:
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        command = [sys.executable, "-m", "trainer.standby", "warm", "--local-rank", str(rank.rank), "--dir",
+                   self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end), "--target",
+                   self.target]
+        rank.proc = subprocess.Popen(command, pass_fds=(write_end,), stdin=subprocess.DEVNULL,
+                                     start_new_session=True)  # like ft_launcher's workers: no terminal signals
+        os.close(write_end)
+        rank.pipe, rank.status, rank.spawned = read_end, b"", time.monotonic()
+        self.selector.register(read_end, selectors.EVENT_READ, rank)
+
+    def _read(self, rank: _Rank) -> None:
+        """Everything the standby of ``rank`` has written to its status pipe."""
+        while rank.pipe is not None:
+            try:
+                chunk = os.read(rank.pipe, 4096)
+            except BlockingIOError:
+                return
+            if not chunk:
+                self._close_pipe(rank)
+                return
+            rank.status += chunk
+            *lines, rank.status = rank.status.split(b"\n")
+            for line in lines:
+                self._on_status(rank, line.decode(errors="replace"))
+
+    def _on_status(self, rank: _Rank, line: str) -> None:
+        if line.startswith("ready"):
+            rank.failures = 0
+            _say(f"local rank {rank.rank}: warm in {time.monotonic() - rank.spawned:.1f} s (pid "
+                 f"{rank.proc.pid if rank.proc else '?'}){line[len('ready'):]}")
+        elif line.startswith("taken ") and rank.proc is not None:
+            rank.taken_ns = int(line.split()[1])
+            rank.workers.append(rank.proc)
+            rank.proc = None
+
+    def _close_pipe(self, rank: _Rank) -> None:
+        if rank.pipe is not None:
+            self.selector.unregister(rank.pipe)
+            os.close(rank.pipe)
+            rank.pipe = None
+
+    def _check(self, rank: _Rank) -> None:
+        rank.workers = [w for w in rank.workers if w.poll() is None]  # reaped when they end
+        if rank.proc is not None and rank.proc.poll() is not None:
+            self._read(rank)  # a "taken" line it wrote just before it ended
+        if rank.proc is not None and rank.proc.poll() is not None:
+            rank.failures += 1
+            _say(f"local rank {rank.rank}: the standby (pid {rank.proc.pid}) exited {rank.proc.returncode} before "
+                 "it was used" + ("; no more standbys for this rank" if rank.failures >= MAX_FAILURES else ""))
+            self._close_pipe(rank)
+            rank.proc = None
+            Path(socket_path(self.directory, rank.rank)).unlink(missing_ok=True)
+        if rank.proc is None and rank.failures < MAX_FAILURES and self._first_step_after(rank):
+            self._spawn(rank)
+
+    def _first_step_after(self, rank: _Rank) -> bool:
+        """The current worker of ``rank`` finished its first step (after the last standby was taken)."""
+        try:
+            marker = os.stat(os.path.join(self.directory, FIRST_STEP_MARKER.format(rank=rank.rank)))
+        except OSError:
+            return False
+        return marker.st_mtime_ns > rank.taken_ns
+
+    def _shutdown(self) -> None:
+        for rank in self.ranks:
+            if rank.proc is not None and rank.proc.poll() is None:
+                rank.proc.kill()
+                rank.proc.wait()
+                Path(socket_path(self.directory, rank.rank)).unlink(missing_ok=True)
+            self._close_pipe(rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.standby", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="keep one warm standby per local rank")
+    serve.add_argument("--nproc", type=int, required=True, help="local ranks (workers on this node)")
+    warm = sub.add_parser("warm", help="one standby (spawned by the server)")
+    warm.add_argument("--local-rank", type=int, required=True)
+    warm.add_argument("--parent", type=int, default=0, help="the server's pid")
+    warm.add_argument("--status-fd", type=int, default=None)
+    for p in (serve, warm):
+        p.add_argument("--dir", default=os.environ.get(STANDBY_DIR_ENV), help="where the standbys listen")
+        p.add_argument("--target", default=DEFAULT_TARGET, help="module:function a standby runs (tests only)")
+    args = parser.parse_args(argv)
+    if not args.dir or not os.path.isdir(args.dir):
+        parser.error(f"--dir (or ${STANDBY_DIR_ENV}) must be an existing directory; got {args.dir!r}")
+    if args.command == "serve":
+        return Server(args.nproc, args.dir, args.target).run()
+    return warm_main(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
