@@ -121,6 +121,7 @@ class CheckpointManager:
         # sockets, so a peer blocked in one of the group's gloo collectives (they cannot be aborted) fails within a
         # second instead of waiting for the timeout, and its in-process restart can begin.
         self._bound = False
+        self._live.invalidate()  # FT: the attempt's model and optimizer state are not kept alive past its end
         self.coord.close()
 
     def close(self, job_over: bool = False) -> None:

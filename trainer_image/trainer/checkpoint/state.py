@@ -71,7 +71,11 @@ class LiveState:
         self._scalars: list[tuple[str, dict[str, Any], str]] = []
 
     def invalidate(self) -> None:
+        """Forget the cached tensors, not only the key: they are the attempt's parameters and optimizer state, and
+        a reference kept here held a failed attempt's whole state on the device until the next snapshot, beside
+        the restarted attempt's (H200, ``1b``: 16.75 GiB more at the in-process restart)."""
         self._key = None
+        self._locals, self._pieces, self._group_fqns, self._scalars = {}, {}, [], []
 
     def get(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Piece], dict[str, Any]]:
         """``local_tensors(state)``, from the cache when it is still valid."""
