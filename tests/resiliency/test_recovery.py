@@ -260,30 +260,6 @@ def test_a_disk_stalling_the_final_save_is_waited_for_not_restarted(tmp_path, ti
     assert_same_weights(tmp_path, reference)
 
 
-def test_spent_restart_budget_exits_retryable(tmp_path, tiny_dataset):
-    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=1:2:sigkill",
-                            env={"FT_MAX_RESTARTS": "0"})
-    assert rc == ExitCode.RESTART_BUDGET_EXHAUSTED, out[-4000:]
-    assert "ft_launcher gave up" in out
-
-
-def test_bad_config_exits_permanent_through_the_launcher(tmp_path, tiny_dataset):
-    rc, out, _ = entrypoint(tmp_path, tiny_dataset, "--checkpoint.keep=1", env={"FT_MAX_RESTARTS": "1"})
-    assert rc == ExitCode.CONFIG_ERROR, out[-4000:]
-    assert "checkpoint.keep must be >= 2" in out
-
-
-def test_unhealthy_node_exits_201(tmp_path, tiny_dataset):
-    port_dir = tmp_path / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
-    port_dir.mkdir(parents=True)
-    (port_dir / "state").write_text("1: DOWN\n")
-    cmd = [sys.executable, "-m", "trainer", *BASE, f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path}",
-           f"--resiliency.sysfs_root={tmp_path / 'sys'}"]
-    rc, out, _ = _run(cmd, tmp_path)
-    assert rc == ExitCode.UNHEALTHY_NODE, out[-4000:]
-    assert "InfiniBand mlx5_0 has no ACTIVE port" in out
-
-
 def test_a_slow_disk_costs_no_snapshot_and_a_sigkill_resumes_from_the_newest(tmp_path, tiny_dataset, reference):
     """Every persistent write stalls 3 s, far longer than a memory interval (2 steps): the memory tier still takes
     every snapshot (only the slot being written is held), so rank 0's SIGKILL at the start of step 10 resumes from
