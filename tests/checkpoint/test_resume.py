@@ -145,22 +145,23 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
-def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset, caplog):
+def test_sigkill_mid_write_keeps_the_previous_checkpoint(runs, tmp_path, tiny_dataset, caplog):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
-    # Step 2 committed by a first run; the final save of the second run stalls in its write of step 4. (Within one
-    # run, a write of step 2 still in flight at the final save would be cancelled: the final save supersedes it.)
-    _run(*_args(tiny_dataset, run_dir, 2, "--checkpoint.interval=2"))
-    assert committed_steps(ckpt) == [2]
+    # Step N committed by an earlier run (the split run's, copied: a restart needs only the checkpoint directory);
+    # the final save of this run stalls in its write of step N + 2. (Within one run, a write of an earlier step
+    # still in flight at the final save would be cancelled: the final save supersedes it.)
+    shutil.copytree(runs[1] / "checkpoints" / f"step-{N:08d}", ckpt / f"step-{N:08d}")
+    assert committed_steps(ckpt) == [N]
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "trainer",
-           *_args(tiny_dataset, run_dir, 4, "--checkpoint.interval=2")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "slow_write:120@4"}
+           *_args(tiny_dataset, run_dir, N + 2, "--checkpoint.interval=2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: f"slow_write:120@{N + 2}"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while not (committed_steps(ckpt) == [2] and list(ckpt.glob("step-00000004.tmp/*.partial"))):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 4 was being written"
+        while not (committed_steps(ckpt) == [N] and list(ckpt.glob(f"step-{N + 2:08d}.tmp/*.partial"))):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its last step was written"
             time.sleep(0.2)
         tree = _descendants(proc.pid)
         trainers = _children(proc.pid)
@@ -175,9 +176,9 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset,
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     step_dir, manifest = find_valid_checkpoint(ckpt)
-    assert step_dir.name == "step-00000002" and manifest["world_size"] == 2
-    assert (ckpt / "step-00000004.tmp").is_dir()  # the partial save is never taken for a checkpoint
-    # A restart (here on one process) ignores and removes the partial one and resumes from step 2.
+    assert step_dir.name == f"step-{N:08d}" and manifest["world_size"] == 2
+    assert (ckpt / f"step-{N + 2:08d}.tmp").is_dir()  # the partial save is never taken for a checkpoint
+    # A restart (here on one process) ignores and removes the partial one and resumes from step N.
     cfg = load_config("tiny", [f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
                                f"--data.seq_len={SEQ}", f"--checkpoint.dir={ckpt}",
                                f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
@@ -189,8 +190,8 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path, tiny_dataset,
         model = build_model(cfg, torch.device("cpu"))
         state = {"model": model, "optimizer": build_optimizer(model, cfg.optim), "progress": TrainProgress(),
                  "dataloader": TokenLoader(ShardedTokens(tiny_dataset, verify=False), cfg.data.seq_len, GLOBAL_BATCH, 0, 1, cfg.data.seed)}
-        assert mgr.load_latest(state) == 2
-        assert not (ckpt / "step-00000004.tmp").exists()
+        assert mgr.load_latest(state) == N
+        assert not (ckpt / f"step-{N + 2:08d}.tmp").exists()
     finally:
         mgr.close()
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 from pipeline_fakes import write_script
@@ -122,7 +123,9 @@ def test_deadline_kills_the_whole_tree(tmp_path):
 def test_kill_leftovers_is_idempotent(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
-    marker = "test-marker"
+    # Unique: kill_leftovers kills every process carrying the marker, machine-wide, so a fixed one let another
+    # checkout's run of this test kill this test's process first (seen once: 0 signalled instead of 1).
+    marker = f"test-marker-{uuid.uuid4().hex}"
     proc = subprocess.Popen(["sleep", "300"], env={**os.environ, ll.MARKER_ENV: marker}, start_new_session=True)
     ll._write_state(state, proc.pid, marker)
     assert kill_leftovers(state, grace_s=2) == 1

@@ -182,7 +182,10 @@ def test_lost_rank_monitor_exits_launcher_lost_after_one_attempt(tmp_path, tiny_
 
 def test_worker_killed_from_outside_is_restarted_in_job_with_its_cause(tmp_path, tiny_dataset):
     run_dir = tmp_path / "run"
-    job = Job(run_dir, f"--data.path={tiny_dataset}", "--train.steps=12", "--checkpoint.interval=4")
+    # Small batches (2 x 64 tokens per rank, ~8x cheaper steps than the preset's): 40 steps leave the kill, a few
+    # polls after step 4's checkpoint, dozens of steps before the end.
+    job = Job(run_dir, f"--data.path={tiny_dataset}", "--train.steps=40", "--checkpoint.interval=4",
+              "--train.batch_size=2", "--data.seq_len=64")
     job.wait_for(lambda: (run_dir / "checkpoints" / "step-00000004").is_dir(), "a checkpoint at step 4")
     launcher, monitors = job.launcher_children()
     workers = [p for p in _children(launcher) if p not in monitors and b"trainer" in _cmdline(p)]
