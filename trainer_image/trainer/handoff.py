@@ -32,11 +32,9 @@ import socket
 import struct
 import sys
 
-STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
-"""Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen."""
+from trainer.startup import STANDBY_DIR_ENV, process_start_time  # standard library only
+
 SOCKET_NAME = "standby-{rank}.sock"
-FIRST_STEP_MARKER = "first-step-{rank}"
-"""Touched by a worker at the end of its first step: the standby server may now warm a replacement for it."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 REPLY_TIMEOUT_S = 30.0
 """How long the launched process waits for a standby's answer before it runs itself (a standby that answers
@@ -91,8 +89,6 @@ def hand_over() -> int | None:
 
 def _request(sock: socket.socket) -> tuple[dict, bytes]:
     """Send the request; the standby's reply, and what the worker sent after it in the same read."""
-    from trainer.startup import process_start_time  # standard library only
-
     body = json.dumps({"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
                        "start_time": process_start_time(), "path": sys.path, "pid": os.getpid()}).encode()
     socket.send_fds(sock, [HEADER.pack(len(body))], [0, 1, 2])

@@ -39,7 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.handoff import FIRST_STEP_MARKER, HEADER, STANDBY_DIR_ENV, socket_path
+from trainer.handoff import HEADER, socket_path
+from trainer.startup import FIRST_STEP_MARKER, STANDBY_DIR_ENV
 
 DEFAULT_TARGET = "trainer.cli:main"
 WARM_IMPORTS = {DEFAULT_TARGET: ("torch", "trainer.resiliency", "trainer.ledger", "trainer.train")}

@@ -35,6 +35,11 @@ import os
 import time
 from typing import Any
 
+STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
+"""Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen (``trainer/standby.py``)."""
+FIRST_STEP_MARKER = "first-step-{rank}"
+"""Touched by a worker at the end of its first step: the standby server may now warm a replacement for it."""
+
 PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "first_step")
 
 
@@ -172,8 +177,6 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tu
 def first_step_done() -> None:
     """This worker finished its first step: the standby server (``trainer/standby.py``) may now warm a replacement
     for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``); nothing without that directory."""
-    from trainer.handoff import FIRST_STEP_MARKER, STANDBY_DIR_ENV
-
     directory = os.environ.get(STANDBY_DIR_ENV)
     if not directory:
         return
