@@ -23,8 +23,9 @@ What runs where (NVRx 0.4.1, probed on a CPU-only torch with 2 gloo ranks): ``De
 ``CuptiManager``, whose extension fails to import without CUDA 12's CUPTI (``ImportError: libcupti.so.12: cannot
 open shared object file``); a stand-in without kernel profiling (``_NoKernelProfiler``) takes its place there,
 and on a non-CUDA device. ``Detector.generate_report`` starts with ``torch.cuda.synchronize()``, which raises on
-a CPU-only torch (``AssertionError: Torch not compiled with CUDA enabled``); off CUDA the report runs the rest
-of that method (the section summaries into NVRx's ``ReportGenerator``). ``detection_section``'s CPU timing, the
+a CPU-only torch (``AssertionError: Torch not compiled with CUDA enabled``) and on CUDA waits for every stream,
+the snapshot's drain included; the report runs the rest of that method (the section summaries into NVRx's
+``ReportGenerator``), on CUDA after waiting for the loop's stream only (``Straggler._report``). ``detection_section``'s CPU timing, the
 scores, the gather over gloo and ``rank_to_node`` work as they are. NVRx's time-based report interval
 (``generate_report_if_interval_elapsed``) is not used: its interval estimate needs ``torch.cuda.current_device``,
 and a step count lets every rank report on the same step without agreeing on a clock.
