@@ -212,8 +212,7 @@ class ResiliencyConfig:
     straggler_sample_every: int = 1
     """Time one step in this many for the straggler reports (NVRx's ``profiling_interval``, which NVRx advises
     raising to cut its profiling overhead: where its CUPTI extension loads, every timed step's kernels are traced).
-    Must divide ``straggler_report_every``, so every report holds the same number of samples; 0: a tenth of it,
-    rounded down to a divisor (10 samples a report)."""
+    Must divide ``straggler_report_every``, so every report holds the same number of samples."""
     straggler_threshold: float = 0.75
     """A rank whose relative score (the fastest rank's time / its own, in (0, 1]) is below this is a straggler;
     0.75 names a rank 1.33x slower than the fastest. Between 0 and 1."""
@@ -264,9 +263,9 @@ class ResiliencyConfig:
         if self.straggler_report_every < 1:
             raise ConfigError(f"resiliency.straggler_report_every must be >= 1 (steps); got {self.straggler_report_every}")
         every, sample = self.straggler_report_every, self.straggler_sample_every
-        if sample < 0 or (sample and every % sample):
-            raise ConfigError(f"resiliency.straggler_sample_every must divide resiliency.straggler_report_every "
-                              f"({every}), or be 0 (a tenth of it); got {sample}")
+        if sample < 1 or every % sample:
+            raise ConfigError(f"resiliency.straggler_sample_every must be >= 1 and divide "
+                              f"resiliency.straggler_report_every ({every}); got {sample}")
         if not 0 < self.straggler_threshold < 1:
             raise ConfigError(
                 f"resiliency.straggler_threshold must be between 0 and 1 (a rank's speed relative to the fastest, "
@@ -275,13 +274,6 @@ class ResiliencyConfig:
         if self.straggler_patience < 1:
             raise ConfigError(f"resiliency.straggler_patience must be >= 1 (reports in a row); got {self.straggler_patience}")
         parse_faults(self.faults)
-
-    def straggler_samples_every(self) -> int:
-        """``straggler_sample_every`` resolved: 0 becomes the largest divisor of the report interval <= a tenth of it."""
-        if self.straggler_sample_every:
-            return self.straggler_sample_every
-        every = self.straggler_report_every
-        return next(d for d in range(max(1, every // 10), 0, -1) if every % d == 0)
 
     def check_collective_timeout(self, backend: str) -> None:
         """Timeouts nest differently per backend when the in-process layer is on.

@@ -254,7 +254,7 @@ class Straggler(NullStraggler):
         self.warming_up = True  # until the first report step after a (re)start of the loop
         self.median_key = Statistic.MED
         self.cuda = device.type == "cuda"
-        self.samples_every = rcfg.straggler_samples_every()
+        self.samples_every = rcfg.straggler_sample_every
         self.detector, why = _initialize_detector(self.cuda, self.samples_every)
         self.profile = {name: self.cuda and why is None and name in KERNEL_SECTIONS for name in SECTIONS}
         if rank == 0:
