@@ -167,7 +167,12 @@ def test_exception_is_recovered_in_process(inprocess_run, reference):
     assert "from the memory tier (in-process restart: no file read)" in out
     (start,) = events(run_dir, "start")
     assert next(r for r in restarts if r["rank"] == 0)["pid"] == start["pid"]
-    assert _recovered(run_dir, "exception")["layer"] == "inprocess"
+    recovered = _recovered(run_dir, "exception")
+    assert recovered["layer"] == "inprocess"
+    phases = recovered["phases"]  # fault -> abort -> Wrapper -> re-entry, from the moments the real Wrapper noted
+    assert {"detect", "abort", "wrapper", "process_group", "restore", "first_step"} <= set(phases)
+    before = sum(v for k, v in phases.items() if k in ("unwind", "detect", "abort", "wrapper", "reconnect"))
+    assert abs(before + phases["total"] - recovered["recovery_s"]) < 0.05, phases
     assert events(run_dir, "summary")[0]["by_layer"] == {"inprocess": 2, "injob": 0, "cluster": 0}  # and the hang's
     assert_same_weights(run_dir, reference)
 

@@ -160,7 +160,8 @@ class Ledger:
 
     def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
         """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
-        phases of this (re)start (``{"origin": its wall time, "phases": {...}}``), when measured."""
+        phases of this (re)start (``{"origin": its wall time, "phases": {...}, "marks": {...}}``: ``startup``), when
+        measured."""
         if self._pending is None or self.rank != 0:
             return
         restart, self._pending = self._pending, None
@@ -169,9 +170,9 @@ class Ledger:
         redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault.get("step") is not None else None
         extra = {}
         if start is not None:
-            abort = start.get("abort")
-            if abort and since <= abort[0]:
-                before = in_process_phases(since, abort, start.get("marks") or {}, start["origin"])
+            marks = start.get("marks") or {}
+            if since <= marks.get("abort_began", -1.0):
+                before = in_process_phases(since, marks, start["origin"])
             else:
                 before = {"before_start": max(0.0, start["origin"] - since)}
             extra["phases"] = {**{k: round(v, 3) for k, v in before.items()}, **start["phases"]}
@@ -241,14 +242,13 @@ def productive_seconds(metrics_path: Path, steps: int) -> float:
     return total
 
 
-def in_process_phases(since: float, abort: tuple[float, float], marks: dict[str, float],
-                      origin: float) -> dict[str, float]:
+def in_process_phases(since: float, marks: dict[str, float], origin: float) -> dict[str, float]:
     """An in-process restart from the fault (``since``) to the re-entry of ``train()`` (``origin``), in phases named
     by the moment each ends at (``trainer.startup``): ``unwind`` (the exception left ``train()``), ``detect`` (the
     abort began), ``abort`` (it ended), ``wrapper`` (the restartable function was called again), ``reconnect``
     (``train()`` entered). A moment not noted, or out of order, is left out: the next phase takes its time."""
     again = marks.get("called_again")
-    ends = [("unwind", marks.get("left_train")), ("detect", abort[0]), ("abort", abort[1])]
+    ends = [("unwind", marks.get("left_train")), ("detect", marks.get("abort_began")), ("abort", marks.get("abort_ended"))]
     ends += [("wrapper", again), ("reconnect", origin)] if again is not None else [("wrapper", origin)]
     phases, last = {}, since
     for name, moment in ends:

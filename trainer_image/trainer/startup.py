@@ -67,10 +67,8 @@ class StartClock:
         self._entered_train = False
         self.reentry = False
         """This start is an in-process restart (``train()`` entered again in the same process)."""
-        self.abort: tuple[float, float] | None = None
-        """When the in-process layer's abort began and ended, before this restart (wall times)."""
         self.marks: dict[str, float] = {}
-        """Wall times of named moments of an in-process restart (``left_train``, ``called_again``: see ``note``)."""
+        """Wall times of the named moments of an in-process restart (see ``note``)."""
 
     def mark(self, phase: str) -> None:
         """The phase ``phase`` ends now (a phase marked twice adds up)."""
@@ -88,17 +86,14 @@ class StartClock:
         self._entered_train = True
 
     def note(self, moment: str) -> None:
-        """A moment of an in-process restart happens now: ``left_train`` (an exception leaves ``train()``) or
-        ``called_again`` (the Wrapper calls the restartable function). Taken with the phases (``take_marks``)."""
+        """A moment of an in-process restart happens now, in order: ``left_train`` (an exception leaves
+        ``train()``), ``abort_began`` and ``abort_ended`` (NVRx's abort), ``called_again`` (the Wrapper calls the
+        restartable function). Taken with the phases (``take_marks``)."""
         self.marks[moment] = time.time()
 
     def take_marks(self) -> dict[str, float]:
         marks, self.marks = self.marks, {}
         return marks
-
-    def aborted(self, began: float, ended: float) -> None:
-        """The in-process layer aborted this rank's attempt (NVRx's ``abort``) from ``began`` to ``ended``."""
-        self.abort = (began, ended)
 
     def take(self) -> dict[str, float] | None:
         """This start's phases in seconds (and ``total``) once, at the end of its first step; None afterwards."""
@@ -164,14 +159,14 @@ def warm_cuda(device: str, local_rank: int) -> None:
     threading.Thread(target=create, name="cuda-context", daemon=True).start()
 
 
-def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, abort: tuple[float, float] | None) -> None:
-    """The one log line of a start: each phase, then the total."""
+def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, marks: dict[str, float]) -> None:
+    """The one log line of a start: each phase, then the total (and an in-process restart's abort, from ``marks``)."""
     parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items() if name != "total")
     since = "the in-process re-entry of train()" if reentry else "process start"
-    before = f" (the in-process abort before it took {abort[1] - abort[0]:.2f} s)" if reentry and abort else ""
+    began, ended = marks.get("abort_began"), marks.get("abort_ended")
+    before = f" (the in-process abort before it took {ended - began:.2f} s)" if began and ended else ""
     log.info("start phases (s): %s; %.2f s from %s to the end of the first step%s", parts, phases["total"], since,
              before)
-    first_step_done()
 
 
 def first_step_done() -> None:

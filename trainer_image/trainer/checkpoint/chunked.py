@@ -174,8 +174,8 @@ def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
     fault and clearing ran inside the registration with the CUDA driver held, and left to a first copy into a
     pageable slot, it made that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). Tried first on H200:
     ``madvise(MADV_POPULATE_WRITE)`` over GiB ranges stalled the training loop for seconds, probably by holding the
-    address space's lock for each whole range; single faults take it briefly. This version is not yet measured on
-    a GPU."""
+    address space's lock for each whole range; single faults take it briefly. This version, measured on H200
+    (BENCHMARKS.md, 2026-12-02 call 1): the first 40 steps lost 2.2 s, against 13.4 s with madvise."""
     flat = buffer.view(-1)
     count = max(1, min(threads, (os.cpu_count() or 2) // 2))
     share = -(-flat.numel() // count // PAGE_BYTES) * PAGE_BYTES

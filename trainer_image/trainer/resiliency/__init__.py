@@ -308,11 +308,14 @@ class Layers:
         phases = clock.take()
         if phases is None:  # nothing marked since the last report
             return None
-        abort, clock.abort = (clock.abort if clock.reentry else None), None
-        startup.report(log, phases, clock.reentry, abort)
+        marks = clock.take_marks()
+        if not clock.reentry:  # a new process: nothing of an in-process restart came before this start
+            marks = {}
+        startup.report(log, phases, clock.reentry, marks)
+        startup.first_step_done()  # FT: the standby server may now warm this rank's replacement
         if self.call_wrapper is not None:  # what the Wrapper's full collections will scan at the next restart
             log.info("garbage collector: %s", startup.unfrozen_summary())
-        return {"origin": clock.origin, "phases": phases, "abort": abort, "marks": clock.take_marks()}
+        return {"origin": clock.origin, "phases": phases, "marks": marks}
 
     def on_train_end(self, steps: int) -> None:
         self.preemption.drain()
@@ -427,11 +430,11 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         """The abort, timed for the restart's phases (``startup``)."""
 
         def __call__(self, state: Any) -> Any:
-            began = time.time()
+            startup.CLOCK.note("abort_began")
             try:
                 return abort(state)
             finally:
-                startup.CLOCK.aborted(began, time.time())
+                startup.CLOCK.note("abort_ended")
 
     health_check = inprocess.Compose(  # run() checked the node at start: that covers the first iteration
         NodeHealth(layers.health, checked_for=0),
