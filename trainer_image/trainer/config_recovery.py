@@ -185,6 +185,11 @@ class ResiliencyConfig:
     """GPU: while a new process copies its snapshot in (node-local tier), one forward and backward on a dummy batch
     (discarded) warm the CUDA caching allocator, cuBLAS and the kernels its first real step would otherwise wait
     for. It runs inside the recovery time the ledger measures; the RNG and data position are restored after it."""
+    standby_prewarm: bool = True
+    """GPU, with warm standby workers (``TRAINER_STANDBY`` in ``entrypoint.sh``): a standby trains a small copy of
+    this model (one block, vocabulary <= 4096, 512 tokens) for two steps and frees it before it is needed, so the
+    worker it becomes finds the kernels loaded (``trainer/prewarm.py``). Skipped when the device has less than
+    twice its ~1.5 GiB free beside the running worker."""
     last_call_wait_s: float = 0.1
     """In-process: once a rank reported a fault, how long every rank waits for others to report theirs before it
     aborts and restarts. Every in-process restart pays it; it only decides which ranks the restart's log line names

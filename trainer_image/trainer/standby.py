@@ -10,7 +10,9 @@ node, ``python -m trainer.standby serve``, which keeps at most one warm standby 
   it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
   runs at the normal one). It imports what the trainer imports, sets its device and makes its CUDA context and a
   cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
-  warm without them and says so once), then listens on ``standby-R.sock``. It dies with the server
+  warm without them and says so once). With a context, it then loads the kernels the worker's first steps would
+  load: a small copy of the job's model, configured by the command line in the marker, trained two steps and freed
+  (``trainer/prewarm.py``, knob ``resiliency.standby_prewarm``). Then it listens on ``standby-R.sock``. It dies with the server
   (``PR_SET_PDEATHSIG``);
 - a launched worker (``python -m trainer``) hands itself over to it (``trainer/handoff.py``), and becomes its proxy;
   the standby checks that the environment read at import or CUDA-init time is the same as its own
@@ -135,6 +137,7 @@ class Standby:
         self.status = os.fdopen(status_fd, "w", buffering=1) if status_fd is not None else None
         self.note = ""
         self.ready_at = 0.0
+        self.device = None
 
     def warm(self) -> None:
         """Imports and the CUDA context, in a thread at the lowest priority."""
@@ -147,6 +150,8 @@ class Standby:
                 for name in (*WARM_IMPORTS.get(self.target, ()), module):
                     importlib.import_module(name)
                 self.note = self._cuda_context()
+                if self.device is not None and self.target == DEFAULT_TARGET:
+                    self.note += self._prewarm()
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 failure.append(exc)
 
@@ -167,10 +172,34 @@ class Standby:
             torch.cuda.set_device(device)
             ones = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
             (ones @ ones).sum().item()  # the context, the allocator and a cuBLAS handle
+            self.device = device
             return f"; CUDA context on cuda:{self.local_rank}"
         except Exception as exc:  # noqa: BLE001 - e.g. EXCLUSIVE_PROCESS mode while the worker holds the GPU
             line = " ".join(str(exc).split())[:200]
             return f"; no CUDA context ({type(exc).__name__}: {line}): the worker it becomes makes one"
+
+    def _prewarm(self) -> str:
+        """The job's model, small, trained two steps and freed (``trainer/prewarm.py``, knob
+        ``resiliency.standby_prewarm``), configured by the command line that the worker it replaces wrote into its
+        first-step marker (``startup.first_step_done``)."""
+        marker = os.path.join(self.directory, FIRST_STEP_MARKER.format(rank=self.local_rank))
+        try:
+            record = json.loads(Path(marker).read_text())
+            argv, cwd = [str(a) for a in record["argv"]], str(record["cwd"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"; no prewarm (the first-step marker holds no command line: {type(exc).__name__})"
+        try:
+            from trainer.config import parse_args
+            from trainer.prewarm import prewarm
+
+            os.chdir(cwd)  # a relative --config or data path, as the worker saw it (the handoff sets it again)
+            _, cfg = parse_args(argv)
+            if not cfg.resiliency.standby_prewarm:
+                return "; no prewarm (resiliency.standby_prewarm=false)"
+            return f"; prewarm {prewarm(cfg, self.device)}"
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a standby without it is still warm
+            line = " ".join(str(exc).split())[:200]
+            return f"; no prewarm ({type(exc).__name__}: {line})"
 
     def serve(self) -> int:
         """Listen until a launched worker hands itself over, then run as it; returns the exit code."""

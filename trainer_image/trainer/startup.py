@@ -30,8 +30,10 @@ Standard library only: imported before torch so the import phase can be measured
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -171,14 +173,16 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, marks: di
 
 def first_step_done() -> None:
     """This worker finished its first step: the standby server (``trainer/standby.py``) may now warm a replacement
-    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``); nothing without that directory."""
+    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``, holding this worker's command line and working
+    directory as JSON); nothing without that directory."""
     directory = os.environ.get(STANDBY_DIR_ENV)
     if not directory:
         return
     path = os.path.join(directory, FIRST_STEP_MARKER.format(rank=os.environ.get("LOCAL_RANK", "0")))
+    record = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd()})  # what the standby warms for (prewarm.py)
     try:  # FT: a standby for the next in-job restart is warmed only now, after this start-up and restore
-        with open(path, "a"):
-            pass
-        os.utime(path)
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            f.write(record)
+        os.replace(f"{path}.{os.getpid()}", path)
     except OSError:  # the job is ending (its directory is gone): no standby needed
         pass

@@ -1,0 +1,80 @@
+"""The warm standby's prewarm (trainer/prewarm.py): the worker's command line goes from its first-step marker to
+the standby, which trains a small copy of the configured model with the trainer's own code and frees it.
+
+The GPU effect is measured by ``bench/cold_phases.py`` (BENCHMARKS.md); here, on CPU, the parts that decide what
+runs: the marker's record, its parsing by the standby, the small configuration and the memory rule."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer import startup
+from trainer.config import load_config
+from trainer.prewarm import estimate_bytes, one_step, prewarm, small_config
+from trainer.standby import DEFAULT_TARGET, Standby
+
+
+def test_first_step_marker_records_the_command_line_and_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv(startup.STANDBY_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(sys, "argv", ["trainer", "--config", "tiny", "--train.steps=7"])
+    monkeypatch.chdir(tmp_path)
+    startup.first_step_done()
+    record = json.loads((tmp_path / "first-step-1").read_text())
+    assert record == {"argv": ["--config", "tiny", "--train.steps=7"], "cwd": str(tmp_path)}
+    assert [p.name for p in tmp_path.iterdir()] == ["first-step-1"]  # written whole, no partial file left
+
+
+def _note(tmp_path, monkeypatch, content: str | None) -> str:
+    monkeypatch.chdir(tmp_path)  # the standby changes to the worker's directory
+    if content is not None:
+        (tmp_path / "first-step-0").write_text(content)
+    standby = Standby(0, str(tmp_path), DEFAULT_TARGET, None)
+    standby.device = torch.device("cpu")
+    return standby._prewarm()
+
+
+def test_standby_prewarms_from_the_markers_command_line(tmp_path, monkeypatch):
+    record = {"argv": ["--config", "tiny", "--data.path=data"], "cwd": str(tmp_path)}
+    assert _note(tmp_path, monkeypatch, json.dumps(record)) == "; prewarm nothing to warm on the CPU"
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "no prewarm (the first-step marker holds no command line: FileNotFoundError)"),
+    ("", "no prewarm (the first-step marker holds no command line: JSONDecodeError)"),
+    (json.dumps({"argv": ["--config", "tiny", "--data.path=d", "--resiliency.standby_prewarm=false"], "cwd": "."}),
+     "no prewarm (resiliency.standby_prewarm=false)"),
+    (json.dumps({"argv": ["--config", "tiny", "--data.path=d", "--train.steps=many"], "cwd": "."}),
+     "no prewarm (ConfigError: "),
+    (json.dumps({"argv": ["--config", "tiny", "stray"], "cwd": "."}), "no prewarm (SystemExit: 2)"),
+])
+def test_standby_without_a_usable_command_line_stays_warm_and_says_why(tmp_path, monkeypatch, content, why):
+    assert _note(tmp_path, monkeypatch, content).startswith(f"; {why}")
+
+
+def test_small_config_keeps_the_shape_of_a_block_and_shrinks_the_rest():
+    cfg = load_config("1b", ["--data.path=d", "--train.compile=true"])
+    small = small_config(cfg)
+    assert (small.model.dim, small.model.n_heads, small.model.n_kv_heads, small.model.ffn_dim) == \
+        (cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim)
+    assert (small.model.n_layers, small.model.vocab_size, small.data.seq_len, small.train.batch_size) == (1, 4096, 512, 1)
+    assert not small.train.compile and cfg.train.compile and cfg.model.n_layers == 16  # a copy
+    assert 1 * 2**30 < estimate_bytes(small) < 2 * 2**30
+
+
+def test_prewarm_is_skipped_when_the_device_lacks_twice_its_memory(monkeypatch):
+    cfg = load_config("1b", ["--data.path=d"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * 2**30, 141 * 2**30))
+    line = prewarm(cfg, torch.device("cuda", 0))
+    assert line.startswith("skipped: 2.0 GiB free on cuda:0, the warm-up needs 1.5 GiB"), line
+
+
+def test_one_step_trains_the_small_model_and_leaves_no_process_group():
+    small = small_config(load_config("tiny", ["--data.path=d"]), tokens=64)
+    one_step(small, torch.device("cpu"))
+    assert not dist.is_initialized()
