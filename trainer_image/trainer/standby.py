@@ -188,6 +188,7 @@ class Standby:
             argv, cwd = [str(a) for a in record["argv"]], str(record["cwd"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return f"; no prewarm (the first-step marker holds no command line: {type(exc).__name__})"
+        environment = dict(os.environ)  # the handoff compares it with the worker's (import_time_mismatch)
         try:
             from trainer.config import parse_args
             from trainer.prewarm import prewarm
@@ -200,6 +201,9 @@ class Standby:
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a standby without it is still warm
             line = " ".join(str(exc).split())[:200]
             return f"; no prewarm ({type(exc).__name__}: {line})"
+        finally:  # what the warm-up set (Inductor's TORCHINDUCTOR_CACHE_DIR, seen on H200) is not the worker's
+            os.environ.clear()
+            os.environ.update(environment)
 
     def serve(self) -> int:
         """Listen until a launched worker hands itself over, then run as it; returns the exit code."""

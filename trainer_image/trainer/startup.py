@@ -136,7 +136,15 @@ def unfrozen_summary(top: int = 6) -> str:
         key = ".".join(package[:2]) if package[0] == "torch" else package[0]
         counts[key] = counts.get(key, 0) + 1
     packages = ", ".join(f"{k} ({n})" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]) or "none"
-    return f"{len(gc.get_objects())} objects outside the frozen set; modules imported since the freeze: {packages}"
+    objects = gc.get_objects()
+    kinds: dict[str, int] = {}
+    for obj in objects:
+        kind = type(obj)
+        name = f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
+        kinds[name] = kinds.get(name, 0) + 1
+    common = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:top])
+    return (f"{len(objects)} objects outside the frozen set (most: {common}); modules imported since the freeze: "
+            f"{packages}")
 
 
 def warm_cuda(device: str, local_rank: int) -> None:

@@ -28,6 +28,7 @@ from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
+from trainer.optimizer import LocalShardAdamW
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             **kernel[adamw_implementation(cfg, next(model.parameters()).device)])
+    # FT: stepped on the local shards: AdamW over DTensors leaks host memory per step on torch 2.10/2.11, which every
+    # in-process restart's full garbage collections then scan (optimizer.py)
+    return LocalShardAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                           **kernel[adamw_implementation(cfg, next(model.parameters()).device)])
 
 
 def adamw_implementation(cfg: OptimConfig, device: torch.device) -> str:
@@ -309,8 +312,8 @@ def _steps(
         last_step = step == cfg.train.steps
         if step % cfg.train.log_every == 0 or last_step:
             loss_value = global_mean(loss, env.world_size)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if device.type == "cuda":  # the training stream: a snapshot's drain to host memory goes on beside it
+                torch.cuda.current_stream(device).synchronize()
             now = time.perf_counter()
             step_time = (now - t_last) / steps_since_log
             t_last, steps_since_log = now, 0
