@@ -78,15 +78,3 @@ def test_one_step_trains_the_small_model_and_leaves_no_process_group():
     small = small_config(load_config("tiny", ["--data.path=d"]), tokens=64)
     one_step(small, torch.device("cpu"))
     assert not dist.is_initialized()
-
-
-def test_a_prewarmed_process_restores_without_the_overlapped_warm_up(monkeypatch):
-    from types import SimpleNamespace
-
-    from trainer import train
-
-    cfg = load_config("1b", ["--data.path=d"])
-    res = SimpleNamespace(cfg=cfg, device=torch.device("cuda", 0), warm=False)
-    assert train._warmup(res, model=None) is not None  # a cold GPU process warms up beside the copy
-    monkeypatch.setattr(startup, "PREWARMED", True)
-    assert train._warmup(res, model=None) is None

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer import parallel, startup
+from trainer import parallel
 from trainer.config import JobConfig
 from trainer.model import count_params
 from trainer.train import build_model, build_optimizer
@@ -69,7 +69,6 @@ def prewarm(cfg: JobConfig, device: torch.device, **size: int) -> str:
         return f"skipped: {free / 2**30:.1f} GiB free on {device}, the warm-up needs {need / 2**30:.1f} GiB (twice that free)"
     started = time.perf_counter()
     one_step(small, device)
-    startup.PREWARMED = True  # FT: the restore's overlapped warm-up is not needed (train._warmup)
     return (f"warmed on {device} in {time.perf_counter() - started:.2f} s ({small.model.n_layers} block(s), "
             f"vocabulary {small.model.vocab_size}, {small.data.seq_len} tokens)")
 

@@ -37,10 +37,6 @@ import sys
 import time
 from typing import Any
 
-PREWARMED = False
-"""This process ran ``trainer.prewarm`` (a standby that became a worker): its first steps find the kernels loaded,
-so the restore's overlapped warm-up (``resiliency.restore_warmup``) would only compete with the snapshot's
-page-locked copy for the driver (on H200 it then took 3.7 s to issue, against 0.45 s alone)."""
 STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
 """Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen (``trainer/standby.py``)."""
 FIRST_STEP_MARKER = "first-step-{rank}"

@@ -214,12 +214,12 @@ def warm_up_step(model: nn.Module, batch_size: int, seq_len: int, device: torch.
 
 
 def _warmup(res: Resources, model: nn.Module) -> Any:
-    """``resiliency.restore_warmup``: ``warm_up_step`` while the snapshot is copied in, for a new GPU process that
-    was not prewarmed (its first real step then finds everything warm); None otherwise. It only reads the parameters the restore writes on
+    """``resiliency.restore_warmup``: ``warm_up_step`` while the snapshot is copied in, for a new GPU process (its
+    first real step then finds everything warm); None otherwise. It only reads the parameters the restore writes on
     its own stream."""
     cfg, device = res.cfg, res.device
-    if res.warm or startup.PREWARMED or device.type != "cuda" or not cfg.resiliency.restore_warmup:
-        return None  # FT: a prewarmed standby (trainer/prewarm.py) has its kernels: the copy goes alone
+    if res.warm or device.type != "cuda" or not cfg.resiliency.restore_warmup:
+        return None
 
     def warm_up() -> None:
         if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
