@@ -78,3 +78,20 @@ def test_one_step_trains_the_small_model_and_leaves_no_process_group():
     small = small_config(load_config("tiny", ["--data.path=d"]), tokens=64)
     one_step(small, torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+def test_the_standby_keeps_its_environment_whatever_the_prewarm_sets(tmp_path, monkeypatch):
+    import os
+
+    import trainer.prewarm
+
+    def setting_prewarm(cfg, device):  # as Inductor's import did on H200 (TORCHINDUCTOR_CACHE_DIR)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/set-by-the-warm-up"
+        return "warmed"
+
+    monkeypatch.setattr(trainer.prewarm, "prewarm", setting_prewarm)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    before = dict(os.environ)
+    record = {"argv": ["--config", "tiny", "--data.path=data"], "cwd": str(tmp_path)}
+    assert _note(tmp_path, monkeypatch, json.dumps(record)) == "; prewarm warmed"
+    assert dict(os.environ) == before  # the handoff compares it with the worker's (import_time_mismatch)
