@@ -1,4 +1,4 @@
-"""Warm a process's kernels before it is needed: a small copy of the configured model, one step, thrown away.
+"""Warm a process's kernels before it is needed: a small copy of the configured model, two steps, thrown away.
 
 A new process pays on its first model build, forward, backward and optimizer step for what CUDA and PyTorch load
 lazily: kernels (``CUDA_MODULE_LOADING=LAZY``), cuBLAS and cuBLASLt handles and their heuristics, flash
@@ -8,10 +8,10 @@ calls took ~6 s of the worker's start (``startup`` phases ``model`` and ``restor
 
 A warm standby worker (``trainer/standby.py``) runs ``prewarm`` once the job's command line is known (the worker
 it will replace wrote it into its first-step marker): the configured model with ``layers`` blocks, a vocabulary
-of at most ``vocab_cap``, one sequence of ``tokens`` tokens, built and trained for one step by the trainer's own
-code (``build_model``, ``build_optimizer``) on the rank's device, then freed and the allocator's
-cache emptied. What stays is what was loaded, not memory. Nothing compiled: a compiled run's kernels are specific
-to its shapes (Inductor's cache on disk serves those).
+of at most ``vocab_cap``, one sequence of ``tokens`` tokens, built and trained for two steps by the trainer's own
+code (``build_model``, ``build_optimizer``) on the rank's device, then freed and the allocator's cache emptied.
+What stays is what was loaded, not memory. Nothing compiled: a compiled run's kernels are specific to its shapes
+(Inductor's cache on disk serves those).
 
 It needs about ``estimate_bytes`` of free device memory, beside the running worker's: it is skipped, with a
 reason, when less than twice that is free.
@@ -58,7 +58,7 @@ def estimate_bytes(small: JobConfig) -> int:
 
 
 def prewarm(cfg: JobConfig, device: torch.device, **size: int) -> str:
-    """One training step of ``small_config(cfg, **size)`` on ``device``, everything freed after; returns a line
+    """Two training steps of ``small_config(cfg, **size)`` on ``device``, everything freed after; returns a line
     for the log (what ran and how long it took, or why it was skipped)."""
     if device.type != "cuda":
         return "nothing to warm on the CPU"
@@ -66,7 +66,8 @@ def prewarm(cfg: JobConfig, device: torch.device, **size: int) -> str:
     need = estimate_bytes(small)
     free, _ = torch.cuda.mem_get_info(device)
     if free < 2 * need:
-        return f"skipped: {free / 2**30:.1f} GiB free on {device}, the warm-up needs {need / 2**30:.1f} GiB (twice that free)"
+        return (f"skipped: {free / 2**30:.1f} GiB free on {device}, the warm-up needs {need / 2**30:.1f} GiB "
+                "(twice that free)")
     started = time.perf_counter()
     one_step(small, device)
     return (f"warmed on {device} in {time.perf_counter() - started:.2f} s ({small.model.n_layers} block(s), "

@@ -12,8 +12,8 @@ node, ``python -m trainer.standby serve``, which keeps at most one warm standby 
   cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
   warm without them and says so once). With a context, it then loads the kernels the worker's first steps would
   load: a small copy of the job's model, configured by the command line in the marker, trained two steps and freed
-  (``trainer/prewarm.py``, knob ``resiliency.standby_prewarm``). Then it listens on ``standby-R.sock``. It dies with the server
-  (``PR_SET_PDEATHSIG``);
+  (``trainer/prewarm.py``, knob ``resiliency.standby_prewarm``). Then it listens on ``standby-R.sock``. It dies
+  with the server (``PR_SET_PDEATHSIG``);
 - a launched worker (``python -m trainer``) hands itself over to it (``trainer/handoff.py``), and becomes its proxy;
   the standby checks that the environment read at import or CUDA-init time is the same as its own
   (``import_time_mismatch``), then takes the worker's environment, working directory, stdio, command line and start
