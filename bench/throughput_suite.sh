@@ -25,7 +25,9 @@
 # Outputs in $OUT (flat): throughput.jsonl (every JSON line), table.md, suite.log (progress, timestamped),
 # runs.tar.gz (each run's log, metrics.jsonl, recovery ledger; no checkpoints).
 # Environment: NPROC (GPUs, default all), CONFIG (1b), STEPS (40), LOO_STOP (25), DATA (token shards; built when
-# missing), RUNS (scratch, /tmp/tput-runs), DEADLINE_S.
+# missing), RUNS (scratch, /tmp/tput-runs), DEADLINE_S, TITAN_ALLOC_CONF (the allocator settings torchtitan's runs
+# get: by default those its launcher, run_train.sh, exports; each side runs as its own launcher runs it, and the
+# trainer's entrypoint.sh sets none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/tput}"
@@ -38,6 +40,7 @@ LOO_STOP="${LOO_STOP:-25}"
 DEADLINE_S="${DEADLINE_S:-540}"
 HARD_S=$((DEADLINE_S + 30))
 BASE_PYTHONPATH="${PYTHONPATH:-}"
+TITAN_ALLOC_CONF="${TITAN_ALLOC_CONF-expandable_segments:True}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$RUNS"
 FIG="$OUT/throughput.jsonl"
@@ -101,7 +104,8 @@ EOF
 titan() {  # label est_s [anchor args]: torchtitan on the same shape and settings
   local label=$1 est=$2 t0=$SECONDS rc; fits "$label" "$est" || return; shift 2
   say "torchtitan $label, timeout $(limit $((2 * est))) s"
-  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout "$(limit $((2 * est)))" python3 \
+  PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" PYTORCH_ALLOC_CONF="$TITAN_ALLOC_CONF" \
+    timeout "$(limit $((2 * est)))" python3 \
     bench/anchor_torchtitan.py --config "$CONFIG" --nproc "$NPROC" --steps "$STEPS" --out "$RUNS/$label" \
     --label "$label" "$@" >"$RUNS/$label.log" 2>&1
   rc=$?
