@@ -97,7 +97,9 @@ def test_unfrozen_summary_counts_what_a_full_collection_scans_and_names_packages
             "import email.mime.text; keep = [[i] for i in range(5000)]; print(before, startup.unfrozen_summary())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     before, summary = out.split(" ", 1)
-    count, packages = summary.split(" objects outside the frozen set; modules imported since the freeze: ")
+    count, rest = summary.split(" objects outside the frozen set (most: ")
+    kinds, packages = rest.split("); modules imported since the freeze: ")
     # the lists made after the freeze are counted; the objects that existed at the freeze are not
     assert 5000 <= int(count) < 5000 + int(before)
+    assert kinds.startswith("list 50")  # the most common type first, with its count (5000 lists and a few more)
     assert "email (" in packages and "trainer (" not in packages
