@@ -14,11 +14,18 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# Through uv, which pip puts into the venv (a fresh install ~45 s faster than pip's; compiled as pip does: with
+# PYTHONDONTWRITEBYTECODE set, an uncompiled install makes every test process compile torch from source). uv reads
+# no pip configuration: pip's find-links from the environment are passed on (where a machine keeps its torch
+# builds). Where uv cannot be installed or fails, pip installs everything as before.
+UV := $(VENV)/bin/uv
+UV_INSTALL = $(UV) pip install -q --python $(PY) --compile-bytecode $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	@if $(PY) -m pip install -q uv && $(UV_INSTALL) $(TORCH_INDEX) "$(TORCH_SPEC)" && $(UV_INSTALL) -e ".[dev]"; \
+	then echo "make setup: installed with uv"; else echo "make setup: uv unavailable or failed; pip installs" >&2; \
+		$(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)" && \
+		$(PY) -m pip install -q -e ".[dev]"; fi
 	@touch $@
 
 # Three pytest runs: the single-process tests on TEST_WORKERS pytest-xdist workers; the `multiprocess` ones
