@@ -1,5 +1,6 @@
 """The notebook runs top to bottom against the local runner (the cluster cell is skipped without KFP_HOST)."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,10 @@ def test_notebook_runs_locally(tmp_path, monkeypatch):
     monkeypatch.delenv(cli.IN_CLUSTER_ENV, raising=False)
     monkeypatch.setenv("NOTEBOOK_RUN_ROOT", str(tmp_path))
     monkeypatch.setenv("NOTEBOOK_STEPS", "20")  # past the sigkill at step 17; 10 steps fewer than the default
+    # Small batches (2 x 64 tokens per rank) and a short evaluation: that the notebook runs through is checked here,
+    # what the run's numbers mean is test_local_pipeline's.
+    monkeypatch.setenv("NOTEBOOK_PARAMS", json.dumps({"batch_size": 2, "seq_len": 64, "eval_batch_size": 2,
+                                                      "eval_max_batches": 4}))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=800, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
