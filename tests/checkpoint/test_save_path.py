@@ -113,10 +113,11 @@ def test_ranks_decide_identically_when_one_ranks_disk_is_slow(tmp_path):
                          "the ranks hung: they disagreed about a save or a commit")
     results = [(tmp_path / f"rank{rank}.result").read_text() for rank in (0, 1)]
     assert results[0] == results[1], out
-    assert results[0].startswith("snapshots at every step 1..24"), out
+    assert results[0].startswith("snapshots at every step 1.."), out
+    last = int(re.match(r"snapshots at every step 1\.\.(\d+);", results[0]).group(1))  # 24, more on a loaded machine
     persisted = [int(s) for s in re.search(r"persisted \[([\d, ]+)\]", results[0]).group(1).split(", ")]
-    assert 3 <= len(persisted) < 24 and persisted[-1] == 24, out  # some deferred, none lost, the final one written
-    assert load_model_weights(tmp_path / "ckpt", step=24).keys()
+    assert 3 <= len(persisted) < last and persisted[-1] == last, out  # some deferred, none lost, the final one written
+    assert load_model_weights(tmp_path / "ckpt", step=last).keys()
 
 
 def test_the_final_save_writes_the_state_once(tmp_path, pg, monkeypatch, caplog):
