@@ -30,10 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = r"""
 import json, sys, time
 import torch
-import torch.distributed as dist
-from trainer import parallel
 from trainer.config import load_config
-from trainer.prewarm import prewarm
+from trainer.prewarm import one_rank_group, prewarm
 from trainer.train import build_model, build_optimizer, warm_up_step
 variant, config, reserve_gib = sys.argv[1], sys.argv[2], float(sys.argv[3])
 overrides = sys.argv[4:]
@@ -57,22 +55,21 @@ if variant == "reserved":
     block = torch.empty(int(reserve_gib * 2**30), dtype=torch.uint8, device=device)
     del block
     lap("reserve")
-dist.init_process_group(parallel.backend_for(device), store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-lap("process_group")
-model = build_model(cfg, device)
-lap("model")
-optimizer = build_optimizer(model, cfg.optim)
-lap("optimizer")
-warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
-lap("warm_up")
-tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len), device=device)
-for name in ("step_1", "step_2"):
-    model(tokens, tokens).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    lap(name)
-t["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-dist.destroy_process_group()
+with one_rank_group(device):
+    lap("process_group")
+    model = build_model(cfg, device)
+    lap("model")
+    optimizer = build_optimizer(model, cfg.optim)
+    lap("optimizer")
+    warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
+    lap("warm_up")
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len), device=device)
+    for name in ("step_1", "step_2"):
+        model(tokens, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lap(name)
+    t["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
 print(json.dumps(t))
 """
 

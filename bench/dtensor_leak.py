@@ -13,11 +13,11 @@ import gc
 import json
 
 import torch
-import torch.distributed as dist
 
 from trainer import train
 from trainer.config import load_config
 from trainer.optimizer import LocalShardAdamW
+from trainer.prewarm import one_rank_group
 
 
 def count() -> tuple[int, int]:
@@ -30,8 +30,11 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, device_id=device if device.type == "cuda" else None)
+    with one_rank_group(device):
+        measure(device)
+
+
+def measure(device: torch.device) -> None:
     for cls in (torch.optim.AdamW, LocalShardAdamW):
         for implementation in ("fused", "foreach"):
             train.LocalShardAdamW = cls
@@ -56,7 +59,6 @@ def main() -> None:
                               "objects_per_step": round((marks[1][1] - marks[0][1]) / 30, 1)}), flush=True)
             del model, optimizer
     train.LocalShardAdamW = LocalShardAdamW
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from trainer import parallel
 from trainer.config import load_config
+from trainer.prewarm import one_rank_group
 from trainer.train import build_model, build_optimizer
 
 PIECE = 1 << 30
@@ -99,7 +99,11 @@ def main() -> None:
     cfg.model.vocab_size = cfg.model.vocab_size or 128256
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group(parallel.backend_for(device), store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    with one_rank_group(device):
+        run(args, cfg, device)
+
+
+def run(args: argparse.Namespace, cfg: Any, device: torch.device) -> None:
     model = build_model(cfg, device)
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len), device=device)
@@ -136,7 +140,6 @@ def main() -> None:
                           "step_plain_ms": round(p * 1e3, 1), "cost_ms": round((a - p) * 1e3, 1)}), flush=True)
         del snapshot
         torch.cuda.empty_cache()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ reason, when less than twice that is free.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -74,26 +76,36 @@ def prewarm(cfg: JobConfig, device: torch.device, **size: int) -> str:
             f"vocabulary {small.model.vocab_size}, {small.data.seq_len} tokens)")
 
 
-def one_step(small: JobConfig, device: torch.device) -> None:
-    """Build ``small`` with the trainer's code, train it two steps on dummy tokens, free it all (any device)."""
-    own_group = not dist.is_initialized()
-    if own_group:  # the model's sharding asks for a process group: one of one rank, gone after
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A process group of this one rank for the length of the block (the model's sharding asks for one), unless one
+    exists already; gone after. Also what the GPU benches use to build the model outside a launcher."""
+    own = not dist.is_initialized()
+    if own:
         dist.init_process_group(parallel.backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device if device.type == "cuda" else None)
     try:
-        model = build_model(small, device)
-        optimizer = build_optimizer(model, small.optim)
-        tokens = torch.zeros((1, small.data.seq_len), dtype=torch.long, device=device)
-        for _ in range(2):  # the second step's paths differ (the optimizer's state exists)
-            model(tokens, tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        del model, optimizer
+        yield
     finally:
-        if own_group:
+        if own:
             dist.destroy_process_group()
+
+
+def one_step(small: JobConfig, device: torch.device) -> None:
+    """Build ``small`` with the trainer's code, train it two steps on dummy tokens, free it all (any device)."""
+    try:
+        with one_rank_group(device):
+            model = build_model(small, device)
+            optimizer = build_optimizer(model, small.optim)
+            tokens = torch.zeros((1, small.data.seq_len), dtype=torch.long, device=device)
+            for _ in range(2):  # the second step's paths differ (the optimizer's state exists)
+                model(tokens, tokens).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            del model, optimizer
+    finally:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
