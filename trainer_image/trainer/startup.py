@@ -30,6 +30,7 @@ Standard library only: imported before torch so the import phase can be measured
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -40,7 +41,8 @@ from typing import Any
 STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
 """Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen (``trainer/standby.py``)."""
 FIRST_STEP_MARKER = "first-step-{rank}"
-"""Touched by a worker at the end of its first step: the standby server may now warm a replacement for it."""
+"""Written by a worker at the end of its first step (its command line and working directory, as JSON): the standby
+server may now warm a replacement for it, configured from that record (``trainer/prewarm.py``)."""
 
 PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "first_step")
 
@@ -117,9 +119,6 @@ FROZEN_MODULES: set[str] = set()
 def freeze_collector() -> None:
     """``gc.freeze()``: what exists now (the imported modules, this process's resources) is never scanned again by a
     full collection, which NVRx runs before every in-process restart (``while gc.collect()``)."""
-    import gc
-    import sys
-
     FROZEN_MODULES.update(sys.modules)
     gc.freeze()
 
@@ -127,9 +126,6 @@ def freeze_collector() -> None:
 def unfrozen_summary(top: int = 6) -> str:
     """How many objects a full collection scans (tracked outside the frozen set) and which top-level packages were
     imported since the freeze (their objects are among them), for the log at the end of a start's first step."""
-    import gc
-    import sys
-
     counts: dict[str, int] = {}
     for name in set(sys.modules) - FROZEN_MODULES:
         package = name.split(".", 2)
