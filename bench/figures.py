@@ -129,11 +129,13 @@ def goodput(run_dir: Path, interval: int) -> None:
     first_start = first["time"] - first["step_time_s"]
     last_end = max(r["time"] for r in steps if r["step"] == final)
     wall = last_end - first_start
-    # A snapshot taken after step S (S % interval == 0) is waited for before step S+1's optimizer step: its cost
-    # lands in the step time logged for S+1. Steps right after a (re)start are left out (warm-up, not snapshots).
+    # A snapshot of step S (S % interval == 0) is taken in step S's time (the host's part: train.py takes it before
+    # the step's line) and waited for before step S+1's optimizer step (the copy: S+1's time). Its cost is both
+    # steps' excess over the median. Steps right after a (re)start are left out (warm-up, not snapshots).
     restarts = {r.get("step", 0) for r in records if r.get("event") in ("start", "resume")}
-    after = [r["step_time_s"] for r in steps
-             if interval and r["step"] % interval == 1 and r["step"] - 1 not in restarts and r["step"] > interval]
+    by_step = {r["step"]: r["step_time_s"] for r in steps}
+    after = [by_step[s] + by_step[s + 1] - median for s in sorted(by_step)
+             if interval and s % interval == 0 and s + 1 in by_step and s not in restarts and s > interval]
     summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
     ledger = [r for r in read(run_dir / "recovery.jsonl") if r.get("event") == "summary"]
     log = run_dir / "logs" / "trainer-rank0.log"

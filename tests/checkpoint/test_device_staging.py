@@ -47,7 +47,9 @@ def _state(seed: int = 0) -> dict:
 
 
 def _step(state: dict, step: int, mgr: CheckpointManager) -> None:
-    """One step as the trainer's loop takes it: the optimizer step only after ``wait_for_staging``."""
+    """One step as the trainer's loop takes it: a snapshot's drain pumped at its start, the optimizer step only
+    after ``wait_for_staging``."""
+    mgr.before_step()
     tokens = torch.randint(0, MODEL.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(step)).to(DEVICE)
     logits = state["model"](tokens[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -133,3 +135,41 @@ def test_slots_on_a_disk_are_used_pageable_with_one_warning(tmp_path, caplog):
     assert slots[0].buffer[:4].tolist() == [0, 1, 2, 3]
     for slot in slots:
         slot.release()
+
+
+def test_a_staged_snapshot_drains_a_part_per_step_and_restores_bit_identical(tmp_path, cuda_pg, shm_dir, monkeypatch):
+    """The drain to host memory is queued a part at each step's start (``staging.Drain``), never all at once: the
+    copy engine runs ready device-to-host copies in order, and a step's loss copy waited behind a whole drain. The
+    snapshot is complete only once every part landed; its bytes and checksum are the step's."""
+    from trainer.checkpoint import staging
+
+    monkeypatch.setattr(staging, "SNAPSHOT_COPY_BYTES", 64 << 10)
+    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, step_s: 3 * (64 << 10))
+    state = _state()
+    mgr = _manager(tmp_path, "on", shm_dir)
+    try:
+        mgr.load_latest(state)
+        step, taken = 0, False
+        while not taken:  # the first saves may be deferred while the slots are page-locked in the background
+            step += 1
+            _step(state, step, mgr)
+            torch.cuda.synchronize()
+            expected = {k: t.detach().cpu().clone() for k, t in local_tensors(state)[0].items()}
+            taken = mgr.save(step, state)
+        first = step
+        drain = mgr.snapshots.staged().event
+        assert isinstance(drain, staging.Drain) and drain.done is None and not drain.query()
+        parts = [len(drain.pieces)]
+        while drain.pieces:  # the loop's next steps, without saves: only their starts pump the drain
+            step += 1
+            _step(state, step, mgr)
+            parts.append(len(drain.pieces))
+        assert len(parts) > 3 and all(a - b == 3 for a, b in zip(parts, parts[1:-1])), parts
+        assert mgr.snapshots.newest() is None or mgr.snapshots.newest().step != first
+        mgr.save(step, state, last_step=True)  # completes the drained snapshot, then takes and persists its own
+        slot = mgr.snapshots.slot_for(first)
+        assert slot is not None, "the drained snapshot did not become a snapshot"
+        assert all(torch.equal(slot.views[k], v) for k, v in expected.items()), "a later step leaked in"
+        assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
+    finally:
+        mgr.close(job_over=True)

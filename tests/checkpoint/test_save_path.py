@@ -261,15 +261,21 @@ def test_copies_split_at_the_page_locked_pieces_move_every_byte():
     assert pieces_of(0, 10, 0) == [(0, 10)]
     assert pieces_of(5, 20, 8) == [(5, 8), (8, 16), (16, 24), (24, 25)]
     assert pieces_of(16, 8, 8) == [(16, 24)]
+    # and at most `most` bytes a copy (a snapshot's copies: SNAPSHOT_COPY_BYTES), inside the pieces
+    assert pieces_of(0, 10, 0, most=4) == [(0, 4), (4, 8), (8, 10)]
+    assert pieces_of(5, 20, 8, most=5) == [(5, 8), (8, 13), (13, 16), (16, 21), (21, 24), (24, 25)]
+    assert pieces_of(3, 0, 8, most=4) == [(3, 3)]
     slot = torch.zeros(4096, dtype=torch.uint8)
     offset = 1000
     for tensor in (torch.randn(37, 11), torch.randn(300).bfloat16(), torch.arange(5, dtype=torch.int64)):
         nbytes = tensor.numel() * tensor.element_size()
-        split_copy(slot, offset, tensor, 256, to_slot=True)
-        assert torch.equal(slot[offset : offset + nbytes], tensor.reshape(-1).view(torch.uint8))
-        back = torch.empty_like(tensor)
-        split_copy(slot, offset, back, 256, to_slot=False)
-        assert torch.equal(back, tensor)
+        for piece, most in ((256, 0), (0, 100), (256, 96)):
+            slot.zero_()
+            split_copy(slot, offset, tensor, piece, True, most)
+            assert torch.equal(slot[offset : offset + nbytes], tensor.reshape(-1).view(torch.uint8))
+            back = torch.empty_like(tensor)
+            split_copy(slot, offset, back, piece, False, most)
+            assert torch.equal(back, tensor)
     strided = torch.randn(8, 8).t()  # read through a copy when staged; written only when contiguous
     split_copy(slot, 0, strided, 100, to_slot=True)
     assert torch.equal(slot[: 256].view(torch.float32).view(8, 8), strided.contiguous())

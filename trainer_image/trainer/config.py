@@ -23,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-from trainer.config_checks import ConfigError, choice as _choice, positive as _positive
+from trainer.config_checks import ConfigError, choice as _choice, positive as _positive, step_window
 from trainer.config_recovery import KINDS, CheckpointConfig, FaultSpec, ResiliencyConfig, parse_faults
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -210,6 +210,9 @@ class TrainConfig:
     gc_every: int = 50
     """Python's automatic garbage collection is off during the step loop (a collection can stall any step);
     a young-generation collection runs every N steps instead. 0 keeps automatic collection."""
+    profile_steps: str = ""
+    """``FIRST-LAST`` (e.g. ``30-32``): a ``torch.profiler`` trace of those steps on every rank, host and device, in
+    ``<run_dir>/profile/`` (``trainer/profiling.py``). Empty: no profiling."""
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "log_every"))
@@ -225,6 +228,7 @@ class TrainConfig:
             raise ConfigError(f"train.cpu_threads must be >= 0 (0 = automatic); got {self.cpu_threads}")
         if self.gc_every < 0:
             raise ConfigError(f"train.gc_every must be >= 0 (0 = automatic collection); got {self.gc_every}")
+        step_window("train.profile_steps", self.profile_steps)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
 from trainer.optimizer import LocalShardAdamW
+from trainer.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +258,17 @@ class GarbageCollection:
 
 
 def _loop(res: Resources, *args: Any) -> dict[str, Any]:
-    """The step loop (``_steps``) under the garbage-collection policy of ``train.gc_every``."""
-    with GarbageCollection(res.cfg.train.gc_every) as collector:
-        return _steps(res, *args, collector=collector)
+    """The step loop (``_steps``) under the garbage-collection policy of ``train.gc_every``, profiled over
+    ``train.profile_steps``."""
+    profiler = StepProfiler(res.cfg.train.profile_steps, res.cfg.train.run_dir, res.env.rank, res.device)
+    try:
+        with GarbageCollection(res.cfg.train.gc_every) as collector:
+            summary = _steps(res, *args, collector=collector, profiler=profiler)
+    except BaseException:
+        profiler.discard()  # a failed attempt: no device sync (it may hang), no trace
+        raise
+    profiler.close()
+    return summary
 
 
 def _steps(
@@ -272,6 +281,7 @@ def _steps(
     state: dict[str, Any],
     ft: resiliency.Layers,
     collector: GarbageCollection,
+    profiler: StepProfiler,
 ) -> dict[str, Any]:
     cfg, env, device = res.cfg, res.env, res.device
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * env.world_size
@@ -289,7 +299,9 @@ def _steps(
     t_last, steps_since_log = time.perf_counter(), 0
     ft.on_loop_start(progress.step, checkpointer.restored_from)  # FT: ledger: start, or which layer restarted us
     for step in range(first_step, cfg.train.steps + 1):
+        profiler.step(step)
         collector.step(step)
+        checkpointer.before_step()  # a snapshot's drain to host memory: the next part, behind the last step's work
         ft.before_step(step)  # FT: progress ping (in-process), heartbeat (in-job), fault injection
         lr = lr_at(step, cfg.optim, cfg.train.steps)
         for group in optimizer.param_groups:
@@ -310,6 +322,10 @@ def _steps(
         progress.step = step
         steps_since_log += 1
         last_step = step == cfg.train.steps
+        saved = False
+        if not last_step:  # before the log's sync: the snapshot's host work overlaps this step's queued kernels
+            with ft.atomic(), profiler.label("checkpoint.save"):  # FT: a restart never interrupts a commit
+                saved = checkpointer.save(step, state)
         if step % cfg.train.log_every == 0 or last_step:
             loss_value = global_mean(loss, env.world_size)
             if device.type == "cuda":  # the training stream: a snapshot's drain to host memory goes on beside it
@@ -330,8 +346,9 @@ def _steps(
                     **_peak_memory(device),
                 }
             )
-        with ft.atomic():  # FT: an in-process restart never interrupts a checkpoint commit
-            saved = checkpointer.save(step, state, last_step=last_step)
+        if last_step:  # after the step's line: the final save (synchronous, to disk) is not a step's time
+            with ft.atomic():
+                saved = checkpointer.save(step, state, last_step=True)
         ft.after_step(step, checkpointer, state, saved)  # FT: timeouts, ledger, SIGTERM -> final save + exit
     summary = {
         "event": "summary",

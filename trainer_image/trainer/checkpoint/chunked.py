@@ -123,22 +123,36 @@ def warn_unpinned(directory: Path) -> None:
                 "several times slower; point checkpoint.node_local_dir at a tmpfs", directory)
 
 
-def pieces_of(start: int, length: int, piece: int) -> list[tuple[int, int]]:
+SNAPSHOT_COPY_BYTES = 64 << 20
+"""The largest single device-to-host copy of a snapshot (``split_copy(most=...)``). The training stream's own small
+device-to-host copies (a step's loss for its log line) wait behind the snapshot's copy in flight on the copy engine:
+measured on H200 (``1b``, 1 GiB copies), the loss of the step after each snapshot waited 14 ms. 64 MiB copies take
+~1.2 ms each."""
+
+
+def pieces_of(start: int, length: int, piece: int, most: int = 0) -> list[tuple[int, int]]:
     """The byte range ``[start, start + length)`` of a slot split where its ``piece``-sized registrations meet (one
-    piece: one copy the driver sees as page-locked); ``piece`` 0: the range whole."""
+    piece: one copy the driver sees as page-locked), and into ranges of at most ``most`` bytes; ``piece`` and
+    ``most`` 0: not split."""
     end = start + length
-    if piece <= 0 or length <= 0:
+    if length <= 0:
         return [(start, end)]
-    bounds = [start, *range((start // piece + 1) * piece, end, piece), end]
-    return list(itertools.pairwise(bounds))
+    cuts = set()
+    if piece > 0:
+        cuts.update(range((start // piece + 1) * piece, end, piece))
+    ranges = list(itertools.pairwise([start, *sorted(cuts), end]))
+    if most <= 0:
+        return ranges
+    return [(a, min(a + most, b)) for lo, b in ranges for a in range(lo, b, most)]
 
 
-def split_copy(slot_bytes: torch.Tensor, offset: int, tensor: torch.Tensor, piece: int, to_slot: bool) -> None:
+def split_copy(slot_bytes: torch.Tensor, offset: int, tensor: torch.Tensor, piece: int, to_slot: bool,
+               most: int = 0) -> None:
     """Copy between ``tensor`` and its region of the slot (bytes from ``offset``), one asynchronous copy per
-    registered piece: a copy spanning two registrations may be taken for pageable memory (staged and synchronous).
-    ``to_slot=False`` needs a contiguous ``tensor`` (its bytes are written in place)."""
+    registered piece (a copy spanning two registrations may be taken for pageable memory: staged and synchronous)
+    and per ``most`` bytes. ``to_slot=False`` needs a contiguous ``tensor`` (its bytes are written in place)."""
     flat = tensor.reshape(-1).view(torch.uint8) if to_slot else tensor.view(-1).view(torch.uint8)
-    for a, b in pieces_of(offset, flat.numel(), piece):
+    for a, b in pieces_of(offset, flat.numel(), piece, most):
         here, there = slot_bytes[a:b], flat[a - offset : b - offset]
         (here if to_slot else there).copy_(there if to_slot else here, non_blocking=True)
 

@@ -34,7 +34,7 @@ from trainer.checkpoint.layout import FORMAT, VERSION, committed_steps
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
-from trainer.checkpoint.staging import choose_copier
+from trainer.checkpoint.staging import Drain, choose_copier
 from trainer.checkpoint.state import (
     LiveState, apply, flatten, local_piece, local_tensors, predicted_bytes, rank_state,
 )
@@ -206,6 +206,13 @@ class CheckpointManager:
         self.snapshots.start_prepare()
         if self.cfg.async_save and self.cfg.persist_every > 0:
             self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
+
+    def before_step(self) -> None:
+        """Called at each step's start: the next part of a device-staged snapshot's drain to host memory, queued
+        after the training stream's work so far (``staging.Drain``)."""
+        slot = self.snapshots.staged()
+        if slot is not None and isinstance(slot.event, Drain):
+            slot.event.pump(self.policy.measurements()[0])
 
     def wait_for_staging(self) -> None:
         """Called before ``optimizer.step()``, which changes the tensors a snapshot copies. CUDA, device staging:
