@@ -124,33 +124,51 @@ def goodput(run_dir: Path, interval: int) -> None:
     if not steps:
         sys.exit(f"{run_dir}: no step records")
     final = max(r["step"] for r in steps)
-    median = statistics.median(r["step_time_s"] for r in steps)
+    by_step = {r["step"]: r["step_time_s"] for r in steps}  # a step redone after a restart: its last time
+    restarts = {r.get("step", 0) for r in records if r.get("event") in ("start", "resume")}
+    # Fault-free step time: the median step far from any snapshot and any restart. A snapshot of step S costs
+    # step S (its host part: train.py takes it before the step's line) and the next few (its copies: the
+    # device-to-device copy in S+1, the drain to host memory in parts from S+1's start), so the plain steps
+    # are those PLAIN_FROM or more steps after one. Without snapshots (interval 0) every step counts.
+    plain = [t for s, t in by_step.items() if not interval or (s % interval >= min(PLAIN_FROM, interval - 1)
+                                                                and not _near_restart(s, restarts, interval))]
+    fault_free = statistics.median(plain or list(by_step.values()))
     first = steps[0]
     first_start = first["time"] - first["step_time_s"]
     last_end = max(r["time"] for r in steps if r["step"] == final)
     wall = last_end - first_start
-    # A snapshot of step S (S % interval == 0) is taken in step S's time (the host's part: train.py takes it before
-    # the step's line) and waited for before step S+1's optimizer step (the copy: S+1's time). Its cost is both
-    # steps' excess over the median. Steps right after a (re)start are left out (warm-up, not snapshots).
-    restarts = {r.get("step", 0) for r in records if r.get("event") in ("start", "resume")}
-    by_step = {r["step"]: r["step_time_s"] for r in steps}
-    after = [by_step[s] + by_step[s + 1] - median for s in sorted(by_step)
-             if interval and s % interval == 0 and s + 1 in by_step and s not in restarts and s > interval]
+    # What a snapshot costs: each whole interval after it (steps S+1 .. S+interval, the next snapshot's host part
+    # included) against `interval` fault-free steps; intervals with a (re)start in them left out.
+    excess = []
+    for begin in range(2 * interval + 1 if interval else 1, final - interval + 2, interval or final):
+        window = range(begin, begin + interval)
+        if interval and all(s in by_step for s in window) and not _near_restart(begin - 1, restarts, interval):
+            excess.append(sum(by_step[s] for s in window) - interval * fault_free)
     summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
     ledger = [r for r in read(run_dir / "recovery.jsonl") if r.get("event") == "summary"]
     log = run_dir / "logs" / "trainer-rank0.log"
     first_start_line = next((START_LINE.match(line) for line in
                              (log.read_text(errors="replace").splitlines() if log.is_file() else [])
                              if START_LINE.match(line)), None)
-    emit({"figure": "goodput_strict", "run": run_dir.name, "steps": final, "fault_free_step_s": round(median, 4),
-          "wall_first_step_to_last_s": round(wall, 2), "goodput_strict": round(median * final / wall, 4),
+    emit({"figure": "goodput_strict", "run": run_dir.name, "steps": final, "fault_free_step_s": round(fault_free, 4),
+          "wall_first_step_to_last_s": round(wall, 2), "goodput_strict": round(fault_free * final / wall, 4),
           "goodput_ledger": ledger[-1].get("goodput") if ledger else None,
           "startup_s": float(first_start_line[3]) if first_start_line else None,  # process start -> first step's end
           "final_save_s": round(summary["time"] - last_end, 2) if summary else None,
-          "snapshot_steps": len(after),
-          "snapshot_cost_s": round(statistics.mean(after) - median, 4) if after else None,
-          "snapshot_cost_over_interval": round((statistics.mean(after) - median) / (median * interval), 4)
-          if after and interval else None})
+          "snapshot_intervals": len(excess),
+          "snapshot_cost_s": round(statistics.mean(excess), 4) if excess else None,
+          "snapshot_cost_median_s": round(statistics.median(excess), 4) if excess else None,
+          "snapshot_cost_over_interval": round(statistics.mean(excess) / (fault_free * interval), 4)
+          if excess else None})
+
+
+PLAIN_FROM = 4
+"""Steps this far or further after a snapshot (and from a restart) count as fault-free steps."""
+
+
+def _near_restart(step: int, restarts: set[int], interval: int) -> bool:
+    """Whether ``step`` lies within ``interval`` steps after a (re)start (its warm-up, redone steps)."""
+    return any(0 <= step - r < interval for r in restarts)
 
 
 START_LINE = re.compile(r"^(\S+ \S+) .*start phases \(s\): (.*); ([\d.]+) s from (process start|the in-process re-entry)")

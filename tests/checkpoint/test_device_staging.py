@@ -143,8 +143,8 @@ def test_a_staged_snapshot_drains_a_part_per_step_and_restores_bit_identical(tmp
     snapshot is complete only once every part landed; its bytes and checksum are the step's."""
     from trainer.checkpoint import staging
 
-    monkeypatch.setattr(staging, "SNAPSHOT_COPY_BYTES", 64 << 10)
-    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, step_s: 3 * (64 << 10))
+    monkeypatch.setattr(staging, "SNAPSHOT_COPY_BYTES", 4 << 10)  # the test model's state: ~60 pieces
+    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, step_s: 3 * (4 << 10))
     state = _state()
     mgr = _manager(tmp_path, "on", shm_dir)
     try:
