@@ -364,7 +364,9 @@ class CheckpointManager:
     def _load_snapshot(self, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
         """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""
         in_process = any(s.buffer is not None for s in self.snapshots.slots)
+        began = time.perf_counter()
         held = self.snapshots.discover(lambda: local_tensors(state)[1])
+        discovered = time.perf_counter() - began
         common = set(held)
         for other in self._all_gather(held):
             common &= set(other)
@@ -387,10 +389,14 @@ class CheckpointManager:
             if problems:  # the tensors copied so far are overwritten by whatever is loaded next
                 log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
                 continue
+            applying = time.perf_counter()
             apply(state, live, slot.payload)
+            times = {"discover": discovered, **self.snapshots.restore_times, "apply": time.perf_counter() - applying}
+            self.snapshots.restore_times = {}
             self.restored_from = "memory" if in_process else "node-local"
-            log.info("restored step %d from the %s tier (%s)", step, self.restored_from,
-                     "in-process restart: no file read" if in_process else f"{self.snapshots.dir}: no checkpoint file read")
+            log.info("restored step %d from the %s tier (%s; %s)", step, self.restored_from,
+                     "in-process restart: no file read" if in_process else f"{self.snapshots.dir}: no checkpoint file read",
+                     ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
             return step
         return None
 
