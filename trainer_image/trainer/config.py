@@ -212,7 +212,8 @@ class TrainConfig:
     a young-generation collection runs every N steps instead. 0 keeps automatic collection."""
     profile_steps: str = ""
     """``FIRST-LAST`` (e.g. ``30-32``): a ``torch.profiler`` trace of those steps on every rank, host and device, in
-    ``<run_dir>/profile/`` (``trainer/profiling.py``). Empty: no profiling."""
+    ``<run_dir>/profile/`` (``trainer/profiling.py``); writing it stalls the step after the window (seconds). Empty:
+    no profiling."""
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "log_every"))
