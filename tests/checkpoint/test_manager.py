@@ -197,6 +197,25 @@ def test_in_process_restart_never_waits_for_the_disk(tmp_path, pg, monkeypatch, 
         mgr.close()
 
 
+def test_the_final_save_can_let_an_older_write_commit_first(tmp_path, pg, monkeypatch, caplog):
+    """``checkpoint.final_cancels_older_write=false``: the write of step 1, still in flight at the final save, is
+    committed (not cancelled) before the final checkpoint is written: both steps are on disk."""
+    monkeypatch.setenv(FAULT_ENV, "slow_write:1@1")
+    state = make_state()
+    mgr = manager(tmp_path, final_cancels_older_write=False)
+    try:
+        train_step(state, 1)
+        mgr.save(1, state)
+        train_step(state, 2)
+        assert mgr.writer.busy, "step 1's write finished too early to test anything"
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            mgr.save(2, state, last_step=True)
+        assert "cancelled" not in caplog.text
+        assert committed_steps(mgr.dir) == [1, 2]
+    finally:
+        mgr.close()
+
+
 def test_warm_start_loads_only_model_weights(tmp_path, pg):
     source = make_state()
     src_mgr = manager(tmp_path / "src", async_save=False)

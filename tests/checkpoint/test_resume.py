@@ -47,7 +47,8 @@ def runs(tmp_path_factory, tiny_dataset):
     """A: 2N steps straight, async saves every N. B: N steps with synchronous saves, then resumed to 2N."""
     root = tmp_path_factory.mktemp("resume")
     straight, split = root / "straight", root / "split"
-    _run(*_args(tiny_dataset, straight, 2 * N, f"--checkpoint.interval={N}"))
+    # the step-N write must commit even when it is still in flight at the last step (a loaded machine)
+    _run(*_args(tiny_dataset, straight, 2 * N, f"--checkpoint.interval={N}", "--checkpoint.final_cancels_older_write=false"))
     _run(*_args(tiny_dataset, split, N, "--checkpoint.async_save=false"))
     _run(*_args(tiny_dataset, split, 2 * N, "--checkpoint.async_save=false"))
     return straight, split

@@ -115,6 +115,10 @@ class CheckpointConfig:
     """Committed checkpoints to keep (>= 2 so a corrupt newest one can fall back)."""
     async_save: bool = True
     """Write in the background; training blocks only while the state is staged in host memory."""
+    final_cancels_older_write: bool = True
+    """The final save (last step, preemption) cancels a write of an older step still in flight and writes only its
+    own state: one state written, the shortest final save. False waits for that write to commit first (every
+    periodic checkpoint kept, e.g. for an evaluation that reads them), then writes its own."""
     resume: bool = True
     """Resume from the latest valid checkpoint in ``dir`` when one exists."""
     init_from: str = ""

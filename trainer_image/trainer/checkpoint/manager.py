@@ -170,8 +170,8 @@ class CheckpointManager:
             if final:
                 self._persist_final(newest)
             return True
-        if final:  # an older write still in flight is superseded: the final save writes one state, not two
-            self.persistent.cancel(superseded_by=step)
+        if final:  # an older write still in flight is superseded (one state written, not two), or waited for
+            self._older_write_before_final(step)
         free, idle, want, step_s, cost_s, preparing = self._agree(step)
         if preparing and not final:  # FT: a new process's slots are page-locked in the background; the loop goes on
             if self.policy.defer(step):
@@ -356,10 +356,17 @@ class CheckpointManager:
             return
         if self.persistent.last_committed == step:
             return
-        self.persistent.cancel(superseded_by=step)
+        self._older_write_before_final(step)
         self.persistent.start(slot, step)
         self._complete_staging()
         self._drain_persist(step)
+
+    def _older_write_before_final(self, step: int) -> None:
+        """``checkpoint.final_cancels_older_write``: cancel the write in flight, or let it commit first."""
+        if self.cfg.final_cancels_older_write:
+            self.persistent.cancel(superseded_by=step)
+        else:
+            self._drain_persist(step)
 
     def _load_snapshot(self, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
         """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""
