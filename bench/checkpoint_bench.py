@@ -99,7 +99,7 @@ def run_steps(state: dict, steps: int, start: int, device: torch.device, ckpt: C
     t0 = last = time.perf_counter()
     for step in range(start, start + steps):
         if ckpt is not None:
-            ckpt.before_step()  # as the trainer's loop: the next part of a snapshot's drain
+            ckpt.before_step(step)  # as the trainer's loop: the next part of a snapshot's drain
         inputs, targets = loader.next_batch()
         F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(0, 1)).backward()
         if ckpt is not None:

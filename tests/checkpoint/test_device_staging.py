@@ -49,7 +49,7 @@ def _state(seed: int = 0) -> dict:
 def _step(state: dict, step: int, mgr: CheckpointManager) -> None:
     """One step as the trainer's loop takes it: a snapshot's drain pumped at its start, the optimizer step only
     after ``wait_for_staging``."""
-    mgr.before_step()
+    mgr.before_step(step)
     tokens = torch.randint(0, MODEL.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(step)).to(DEVICE)
     logits = state["model"](tokens[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -144,7 +144,7 @@ def test_a_staged_snapshot_drains_a_part_per_step_and_restores_bit_identical(tmp
     from trainer.checkpoint import staging
 
     monkeypatch.setattr(staging, "SNAPSHOT_COPY_BYTES", 4 << 10)  # the test model's state: ~60 pieces
-    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, step_s: 3 * (4 << 10))
+    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, *_: 3 * (4 << 10))
     state = _state()
     mgr = _manager(tmp_path, "on", shm_dir)
     try:

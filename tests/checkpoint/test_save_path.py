@@ -388,3 +388,26 @@ def test_a_new_slot_on_a_memory_file_system_has_every_page_mapped_and_an_existin
         del fresh, kept
     finally:
         shutil.rmtree(directory)
+
+
+def test_a_drain_part_is_half_a_step_unless_the_next_snapshot_needs_more():
+    """``staging.drain_part_bytes``: half a step at the copy rate, so a step's own copies never queue behind it; but
+    the rest must land before the next snapshot is due (it waits for it), so a short step with a large state drains
+    faster than that; no measured step time, or no step left: all at once (None)."""
+    from trainer.checkpoint.policy import IntervalPolicy
+    from trainer.checkpoint.staging import DRAIN_STEP_FRACTION, drain_part_bytes
+
+    gb = 10**9
+    half_step = int(DRAIN_STEP_FRACTION * 0.32 * 50 * gb)  # 1b on H200: 0.32 s steps, ~50 GB/s
+    assert drain_part_bytes(0.32, 50 * gb, 18 * gb, steps_left=9) == half_step  # interval 10: paced
+    assert drain_part_bytes(0.32, 50 * gb, 18 * gb, steps_left=None) == half_step  # nothing scheduled
+    assert drain_part_bytes(0.03, 50 * gb, 18 * gb, steps_left=4) == 18 * gb // 4  # short steps: the deadline rules
+    assert drain_part_bytes(0.03, 50 * gb, 18 * gb + 1, steps_left=4) == 18 * gb // 4 + 1  # rounded up
+    assert drain_part_bytes(-1.0, 50 * gb, 18 * gb, steps_left=9) is None
+    assert drain_part_bytes(0.32, 50 * gb, 18 * gb, steps_left=0) is None
+    every = IntervalPolicy(10, 86400.0)
+    assert [every.steps_to_next(s) for s in (10, 11, 19, 20)] == [0, 9, 1, 0]
+    assert IntervalPolicy(0, 86400.0).steps_to_next(7) is None
+    auto = IntervalPolicy("auto", 86400.0)
+    auto.next_due = 25
+    assert auto.steps_to_next(21) == 4 and auto.steps_to_next(30) == 0

@@ -301,7 +301,7 @@ def _steps(
     for step in range(first_step, cfg.train.steps + 1):
         profiler.step(step)
         collector.step(step)
-        checkpointer.before_step()  # a snapshot's drain to host memory: the next part, behind the last step's work
+        checkpointer.before_step(step)  # a snapshot's drain to host memory: the next part, behind the last step's work
         ft.before_step(step)  # FT: progress ping (in-process), heartbeat (in-job), fault injection
         lr = lr_at(step, cfg.optim, cfg.train.steps)
         for group in optimizer.param_groups:

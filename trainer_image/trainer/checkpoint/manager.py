@@ -207,12 +207,13 @@ class CheckpointManager:
         if self.cfg.async_save and self.cfg.persist_every > 0:
             self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
 
-    def before_step(self) -> None:
-        """Called at each step's start: the next part of a device-staged snapshot's drain to host memory, queued
-        after the training stream's work so far (``staging.Drain``)."""
+    def before_step(self, step: int) -> None:
+        """Called at the start of ``step``: the next part of a device-staged snapshot's drain to host memory,
+        queued after the training stream's work so far (``staging.Drain``), all of it landed one step before the
+        next snapshot is due."""
         slot = self.snapshots.staged()
         if slot is not None and isinstance(slot.event, Drain):
-            slot.event.pump(self.policy.measurements()[0])
+            slot.event.pump(self.policy.measurements()[0], self.policy.steps_to_next(step))
 
     def wait_for_staging(self) -> None:
         """Called before ``optimizer.step()``, which changes the tensors a snapshot copies. CUDA, device staging:

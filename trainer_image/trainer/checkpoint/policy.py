@@ -60,6 +60,14 @@ class IntervalPolicy:
             return step >= self.next_due
         return self.every > 0 and step % self.every == 0
 
+    def steps_to_next(self, step: int) -> int | None:
+        """Steps from ``step`` to the next step due (0: ``step`` itself); None when none is scheduled."""
+        if self.owed_since is not None:
+            return 0
+        if self.auto:
+            return max(0, self.next_due - step)
+        return (-step) % self.every if self.every > 0 else None
+
     def defer(self, step: int) -> bool:
         """The snapshot due at ``step`` could not be staged yet (``CheckpointManager``: every rank agreed). True
         when this starts a deferral (none was owed)."""

@@ -110,15 +110,25 @@ class DeviceStagedCopy:
             slot.event = torch.cuda.Event()
             slot.event.record(self.stream)
 
-    def drain_budget(self, step_s: float) -> int | None:
-        """Bytes of a drain part: ``DRAIN_STEP_FRACTION`` of a step at the copy rate measured so far (None: the
-        step time is not measured yet, the rest at once)."""
+    def drain_budget(self, step_s: float, remaining: int, steps_left: int | None) -> int | None:
+        """Bytes of the next drain part (``drain_part_bytes``) at the copy rate measured so far."""
         done = [(start.elapsed_time(end) / 1e3, nbytes) for start, end, nbytes in self._timings if end.query()]
         self._timings = [t for t in self._timings if not t[1].query()]
         for seconds, nbytes in done:
             if seconds > 0 and nbytes >= SNAPSHOT_COPY_BYTES:
                 self.rate = nbytes / seconds
-        return int(DRAIN_STEP_FRACTION * step_s * self.rate) if step_s > 0 else None
+        return drain_part_bytes(step_s, self.rate, remaining, steps_left)
+
+
+def drain_part_bytes(step_s: float, rate: float, remaining: int, steps_left: int | None) -> int | None:
+    """Bytes of a drain part queued at a step's start: ``DRAIN_STEP_FRACTION`` of a step (``step_s``) at ``rate``
+    bytes/s, but enough that the ``remaining`` bytes land within the ``steps_left`` steps (this one included)
+    before the next snapshot is due, which waits for them: a short step with a large state drains faster than
+    the fraction, not later. None: all at once (the step time is not measured yet, or no step is left)."""
+    if step_s <= 0 or (steps_left is not None and steps_left <= 0):
+        return None
+    paced = int(DRAIN_STEP_FRACTION * step_s * rate)
+    return paced if steps_left is None else max(paced, -(-remaining // steps_left))
 
 
 class Drain:
@@ -131,10 +141,12 @@ class Drain:
         self.copier, self.slot_bytes, self.pieces = copier, slot_bytes, pieces
         self.done: Any = None
 
-    def pump(self, step_s: float = -1.0) -> None:
+    def pump(self, step_s: float = -1.0, steps_left: int | None = None) -> None:
+        """Queue the next part (``step_s``: the step time; ``steps_left``: steps before the next snapshot is due,
+        which waits for this drain); the default queues the rest."""
         if self.done is not None:
             return
-        budget = self.copier.drain_budget(step_s)
+        budget = self.copier.drain_budget(step_s, sum(_length(p) for p in self.pieces), steps_left)
         stream, staged = self.copier.stream, self.copier.buffer
         stream.wait_stream(torch.cuda.current_stream())
         start, end, queued = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0
