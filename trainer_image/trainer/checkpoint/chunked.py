@@ -14,7 +14,8 @@ own registration replaces them when the slots are prepared for the next snapshot
 Also here: page-locking a slot in pieces (``register_in_pieces``) and the copies split at those pieces
 (``split_copy``), for ``checkpoint.pin_chunk_mib``; faulting a new slot's pages in on several threads before it is
 page-locked (``populate``); and whether a directory can be page-locked at all (``memory_backed``: Linux
-page-locks file mappings only on memory file systems).
+page-locks file mappings only on memory file systems); and the slot checksum, over host memory (``checksum``) or
+computed on the device from the tensors a slot holds (``device_checksum``).
 """
 
 from __future__ import annotations
@@ -211,3 +212,37 @@ def cuda_unregister(address: int) -> None:
 def wrap64(value: int) -> int:
     """A sum of 64-bit words as the wrapping int64 the slot checksums are."""
     return (value + 2**63) % 2**64 - 2**63
+
+
+def checksum(buffer: torch.Tensor) -> int:
+    """Wrapping sum of the buffer's 64-bit words: a memory-speed (multi-threaded) check that catches stale or
+    flipped bytes. Not cryptographic; the persistent tier keeps sha256."""
+    return int(buffer.view(torch.int64).sum())
+
+
+def device_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``checksum`` of a slot computed from the tensors staged into it, on their device: each tensor's bytes
+    zero-padded to whole 64-bit words equal its region of the slot (64-byte aligned, zero padding). On CUDA this
+    runs on the copy's stream, instead of a pass over host memory that competes with the training loop for the
+    CPU (measured on H200: +0.35 s on the step after every 1B snapshot). One reduction per tensor, no copies: a
+    tensor's last partial word is folded in from its few tail bytes. (A device-staged snapshot sums its staging
+    buffer instead: one reduction.)"""
+    device = next((t.device for t in tensors if t.is_cuda), tensors[0].device if tensors else torch.device("cpu"))
+    sums = []
+    for tensor in tensors:
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        whole = raw.numel() // 8 * 8
+        if whole:
+            sums.append(raw[:whole].view(torch.int64).sum().to(device))
+        if whole < raw.numel():  # little-endian: byte i of the zero-padded word is worth 2**(8 i)
+            tail = raw[whole:].to(torch.int64)
+            shifts = torch.arange(0, 8 * tail.numel(), 8, device=tail.device)
+            sums.append((tail << shifts).sum().to(device))
+    return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.int64, device=device)
+
+
+def by_device(tensors: Any) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return list(groups.values())

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.chunked import SNAPSHOT_COPY_BYTES, pieces_of, split_copy
-from trainer.checkpoint.slots import Layout, Slot, device_checksum, map_views
+from trainer.checkpoint.chunked import device_checksum
+from trainer.checkpoint.slots import Layout, Slot, map_views
 
 log = logging.getLogger(__name__)
 
