@@ -402,7 +402,7 @@ class CheckpointManager:
             times = {"discover": discovered, **self.snapshots.restore_times, "apply": time.perf_counter() - applying}
             self.snapshots.restore_times = {}
             self.restored_from = "memory" if in_process else "node-local"
-            log.info("restored step %d from the %s tier (%s; %s)", step, self.restored_from,
+            log.info("restored step %d from the %s tier (%s); %s", step, self.restored_from,
                      "in-process restart: no file read" if in_process else f"{self.snapshots.dir}: no checkpoint file read",
                      ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
             return step
