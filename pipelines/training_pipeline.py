@@ -210,5 +210,14 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
     return dsl.pipeline(name=name, description=_description(build))(pipeline)
 
 
-training_pipeline = make_pipeline(CLUSTER_RETRY)
-local_pipeline = make_pipeline(LOCAL_RETRY)
+_BUILT_ON_FIRST_USE = {"training_pipeline": CLUSTER_RETRY, "local_pipeline": LOCAL_RETRY}
+
+
+def __getattr__(name: str):
+    """``training_pipeline`` and ``local_pipeline``, each built on its first use rather than at import: kfp's task
+    setters call ``inspect.stack()``, so one build costs ~0.2 s of CPU in a plain process and ~1 s under a deep
+    stack with torch loaded (a test process collecting this module paid 2.3 s for the two builds it never used)."""
+    if name not in _BUILT_ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    built = globals()[name] = make_pipeline(_BUILT_ON_FIRST_USE[name])
+    return built
