@@ -47,3 +47,4 @@ def test_a_bad_window_names_the_key_and_the_form(spec, hint):
     with pytest.raises(ConfigError) as err:
         parse_args(["--config", "tiny", "--data.path=runs/data", f"--train.profile_steps={spec}"])
     assert "train.profile_steps" in str(err.value) and hint in str(err.value)
+

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ class Resources:
         cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
         if cfg.train.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            deterministic_algorithms(compiled=cfg.train.compile)
         base_model = BaseModel.for_model(cfg.model, env.local_rank)  # model.from_hf: the shape from its config.json
         # FT: hashed once per job, not at every worker (re)start: later starts skip the files verified before
         dataset = ShardedTokens(cfg.data.path, split="train", verify=cfg.data.verify_checksums,
@@ -232,6 +233,17 @@ def _warmup(res: Resources, model: nn.Module) -> Any:
                  time.perf_counter() - started)
 
     return warm_up
+
+
+def deterministic_algorithms(compiled: bool) -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)``. Without ``torch.compile`` the flag is set without
+    the public function's import of Inductor's config (0.5 s of CPU per process, every trainer start of a CPU run)
+    when this torch has the setter, and Inductor is not loaded already (its flag is then set too)."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if compiled or setter is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        setter(True, warn_only=True)
 
 
 class GarbageCollection:
