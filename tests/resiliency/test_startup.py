@@ -66,9 +66,9 @@ def test_recovered_record_splits_the_recovery_time_into_phases(tmp_path, monkeyp
     ledger = Ledger(tmp_path, rank=0, world_size=2)  # the respawned worker, created 1.5 s after the fault
     fake.now = 2004.0
     ledger.on_train_start(iteration=0, resumed_step=6, tier="node-local")
-    fake.now = 2005.0
+    fake.now = 2005.25  # the first step ended at 2005.0; its start's report (log lines, the collector's summary) ran on
     phases = {"import": 1.5, "resources": 0.5, "wrapper": 0.3, "restore": 0.7, "first_step": 0.5, "total": 3.5}
-    ledger.on_step_end(7, {"origin": 2001.5, "phases": phases})
+    ledger.on_step_end(7, {"origin": 2001.5, "end": 2005.0, "phases": phases})
     ledger.on_step_end(8, None)
     (recovered,) = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "recovered"]
     assert recovered["recovery_s"] == 5.0

@@ -33,7 +33,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     every rank's exit; ``time`` is the first exit's (null when none was recorded).
 ``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone"}``
     Rank 0, after the first productive (completed) step following a restart. ``recovery_s`` is the time
-    from the fault (or, when its time is unknown, from the restart) to that step; ``steps_redone`` is how
+    from the fault (or, when its time is unknown, from the restart) to that step's end; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
     the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
     went: what came before the start (in-job ``before_start``: fault -> this process's creation; in-process
@@ -168,8 +168,9 @@ class Ledger:
         fault = restart["fault"]
         since = fault.get("time") or restart["time"]
         redone = max(0, fault["step"] - 1 - restart["resumed_step"]) if fault.get("step") is not None else None
-        extra = {}
-        if start is not None:
+        extra, end = {}, time.time()
+        if start is not None:  # the first step's end as its phases saw it: what runs after it (the start's log
+            end = start.get("end", end)  # lines, the garbage collector's summary) lands in the next step's time
             marks = start.get("marks") or {}
             if since <= marks.get("abort_began", -1.0):
                 before = in_process_phases(since, marks, start["origin"])
@@ -179,7 +180,7 @@ class Ledger:
         self.write(
             "recovered", sync=False, layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),
-            recovery_s=round(time.time() - since, 3), steps_redone=redone, **extra,
+            recovery_s=round(end - since, 3), steps_redone=redone, **extra,
         )
 
     def summarize(self, steps: int) -> dict[str, Any] | None:

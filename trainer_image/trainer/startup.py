@@ -99,6 +99,11 @@ class StartClock:
         marks, self.marks = self.marks, {}
         return marks
 
+    @property
+    def last_mark(self) -> float:
+        """Wall time of the latest phase's end (after ``take``: the end of the start's first step)."""
+        return self._last
+
     def take(self) -> dict[str, float] | None:
         """This start's phases in seconds (and ``total``) once, at the end of its first step; None afterwards."""
         if not self._phases:

@@ -315,7 +315,7 @@ class Layers:
         startup.first_step_done()  # FT: the standby server may now warm this rank's replacement
         if self.call_wrapper is not None:  # what the Wrapper's full collections will scan at the next restart
             log.info("garbage collector: %s", startup.unfrozen_summary())
-        return {"origin": clock.origin, "phases": phases, "marks": marks}
+        return {"origin": clock.origin, "end": clock.last_mark, "phases": phases, "marks": marks}
 
     def on_train_end(self, steps: int) -> None:
         self.preemption.drain()
