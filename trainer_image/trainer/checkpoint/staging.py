@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.chunked import SNAPSHOT_COPY_BYTES, pieces_of, split_copy
-from trainer.checkpoint.chunked import device_checksum
+from trainer.checkpoint.chunked import SNAPSHOT_COPY_BYTES, device_checksum, pieces_of, split_copy
 from trainer.checkpoint.slots import Layout, Slot, map_views
 
 log = logging.getLogger(__name__)
