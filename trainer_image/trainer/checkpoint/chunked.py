@@ -125,10 +125,8 @@ def warn_unpinned(directory: Path) -> None:
 
 
 SNAPSHOT_COPY_BYTES = 64 << 20
-"""The largest single device-to-host copy of a snapshot (``split_copy(most=...)``). The training stream's own small
-device-to-host copies (a step's loss for its log line) wait behind the snapshot's copy in flight on the copy engine:
-measured on H200 (``1b``, 1 GiB copies), the loss of the step after each snapshot waited 14 ms. 64 MiB copies take
-~1.2 ms each."""
+"""The pieces a device-staged snapshot's drain to host memory is queued in (``staging.Drain``): its parts, one per
+step, are whole pieces, so this is how finely a part's size can follow its budget."""
 
 
 def pieces_of(start: int, length: int, piece: int, most: int = 0) -> list[tuple[int, int]]:
@@ -136,13 +134,10 @@ def pieces_of(start: int, length: int, piece: int, most: int = 0) -> list[tuple[
     piece: one copy the driver sees as page-locked), and into ranges of at most ``most`` bytes; ``piece`` and
     ``most`` 0: not split."""
     end = start + length
-    if length <= 0:
-        return [(start, end)]
-    cuts = set()
-    if piece > 0:
-        cuts.update(range((start // piece + 1) * piece, end, piece))
-    ranges = list(itertools.pairwise([start, *sorted(cuts), end]))
-    if most <= 0:
+    cuts = range((start // piece + 1) * piece, end, piece) if piece > 0 else ()
+    bounds = [start, *cuts, end]
+    ranges = list(itertools.pairwise(bounds))
+    if most <= 0 or length <= 0:
         return ranges
     return [(a, min(a + most, b)) for lo, b in ranges for a in range(lo, b, most)]
 

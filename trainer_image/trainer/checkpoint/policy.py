@@ -54,11 +54,7 @@ class IntervalPolicy:
         self._last_t, self._last_was_snapshot = now, False
 
     def due(self, step: int) -> bool:
-        if self.owed_since is not None:
-            return True
-        if self.auto:
-            return step >= self.next_due
-        return self.every > 0 and step % self.every == 0
+        return self.steps_to_next(step) == 0
 
     def steps_to_next(self, step: int) -> int | None:
         """Steps from ``step`` to the next step due (0: ``step`` itself); None when none is scheduled."""

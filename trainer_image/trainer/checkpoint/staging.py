@@ -61,8 +61,8 @@ class DirectCopy:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for key, src in tensors.items():
-                if slot.pinned and src.is_cuda:  # one copy per page-locked piece, none over SNAPSHOT_COPY_BYTES
-                    split_copy(slot.buffer, slot.layout[key][1], src.detach(), slot.pin_piece, True, SNAPSHOT_COPY_BYTES)
+                if slot.pinned and slot.pin_piece:  # one copy per page-locked piece
+                    split_copy(slot.buffer, slot.layout[key][1], src.detach(), slot.pin_piece, to_slot=True)
                 else:
                     slot.views[key].copy_(src.detach(), non_blocking=True)
             if checksum:
@@ -78,7 +78,8 @@ class DeviceStagedCopy:
     def __init__(self, stream: Any, buffer: torch.Tensor) -> None:
         self.stream, self.buffer = stream, buffer
         self.rate = DRAIN_RATE_GUESS
-        self._timings: list[tuple[Any, Any, int]] = []
+        self.timings: list[tuple[Any, Any, int]] = []
+        """(start, end, bytes) of the drain parts queued and not yet measured (``drain_budget`` reads them)."""
         self._layout: Layout = {}
         self._views: dict[str, torch.Tensor] = {}
 
@@ -112,8 +113,8 @@ class DeviceStagedCopy:
 
     def drain_budget(self, step_s: float, remaining: int, steps_left: int | None) -> int | None:
         """Bytes of the next drain part (``drain_part_bytes``) at the copy rate measured so far."""
-        done = [(start.elapsed_time(end) / 1e3, nbytes) for start, end, nbytes in self._timings if end.query()]
-        self._timings = [t for t in self._timings if not t[1].query()]
+        done = [(start.elapsed_time(end) / 1e3, nbytes) for start, end, nbytes in self.timings if end.query()]
+        self.timings = [t for t in self.timings if not t[1].query()]
         for seconds, nbytes in done:
             if seconds > 0 and nbytes >= SNAPSHOT_COPY_BYTES:
                 self.rate = nbytes / seconds
@@ -157,7 +158,7 @@ class Drain:
                 self.slot_bytes[a:b].copy_(staged[a:b], non_blocking=True)
                 queued += b - a
             end.record(stream)
-        self.copier._timings.append((start, end, queued))
+        self.copier.timings.append((start, end, queued))
         if not self.pieces:
             self.done = end
 
