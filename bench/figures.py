@@ -140,9 +140,9 @@ def goodput(run_dir: Path, interval: int) -> None:
     # What a snapshot costs: each whole interval after it (steps S+1 .. S+interval, the next snapshot's host part
     # included) against `interval` fault-free steps; intervals with a (re)start in them left out.
     excess = []
-    for begin in range(2 * interval + 1 if interval else 1, final - interval + 2, interval or final):
+    for begin in range(2 * interval + 1, final - interval + 2, interval) if interval else ():
         window = range(begin, begin + interval)
-        if interval and all(s in by_step for s in window) and not _near_restart(begin - 1, restarts, interval):
+        if all(s in by_step for s in window) and not _near_restart(begin - 1, restarts, interval):
             excess.append(sum(by_step[s] for s in window) - interval * fault_free)
     summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
     ledger = [r for r in read(run_dir / "recovery.jsonl") if r.get("event") == "summary"]

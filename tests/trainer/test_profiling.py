@@ -26,6 +26,11 @@ def test_the_trace_holds_the_window_steps_and_their_labels(tmp_path):
     assert {"step 2", "step 3", "checkpoint.save"} <= names
     assert not {"step 1", "step 4", "step 5"} & names, "steps outside the window were profiled"
     assert [p.name for p in (tmp_path / "profile").iterdir()] == [trace.name]
+    cut = StepProfiler("2-9", str(tmp_path / "short"), rank=0, device=torch.device("cpu"))
+    for step in range(1, 5):  # the loop ends inside the window: the name says which steps the trace holds
+        cut.step(step)
+    cut.close()
+    assert [p.name for p in (tmp_path / "short" / "profile").iterdir()] == ["rank0-steps2-4.json.gz"]
 
 
 def test_a_failed_attempt_leaves_no_trace_and_a_window_never_reached_none(tmp_path):

@@ -29,6 +29,7 @@ class StepProfiler:
         self.rank, self.device = rank, device
         self.profiler: Any = None
         self.range: Any = None
+        self.started = self.latest = 0  # the first and the latest step profiled
 
     def step(self, step: int) -> None:
         if self.window is None:
@@ -46,6 +47,7 @@ class StepProfiler:
             self.close()
             return
         if self.profiler is not None:
+            self.latest = step
             self.range = torch.profiler.record_function(f"step {step}")
             self.range.__enter__()
 
@@ -58,7 +60,8 @@ class StepProfiler:
             self.range = None
 
     def close(self) -> None:
-        """Ends the window and writes the trace (the loop's end, a restart or an exception inside the window)."""
+        """Ends the window and writes the trace: after its last step, or at the loop's end inside it (the name says
+        which steps it holds). An attempt that failed inside it: ``discard``."""
         if self.profiler is None:
             return
         self._end_range()
@@ -67,9 +70,9 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)  # the window's kernels in the trace
         profiler.__exit__(None, None, None)
         self.path.mkdir(parents=True, exist_ok=True)
-        target = self.path / f"rank{self.rank}-steps{self.started}-{self.window[1]}.json.gz"  # type: ignore[index]
+        target = self.path / f"rank{self.rank}-steps{self.started}-{self.latest}.json.gz"
         profiler.export_chrome_trace(str(target))
-        log.info("profile of steps %d-%d written to %s", self.started, self.window[1], target)  # type: ignore[index]
+        log.info("profile of steps %d-%d written to %s", self.started, self.latest, target)
 
     def discard(self) -> None:
         """Ends the window without a trace and without waiting for the device (an attempt that failed)."""
