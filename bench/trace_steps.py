@@ -35,7 +35,8 @@ def steps(events: list[dict]) -> list[dict]:
         counts[e["args"].get("stream")] += 1
     training = max(counts, key=counts.__getitem__)  # the stream with the most work
     out = []
-    for r in sorted(ranges, key=lambda e: e["ts"]):
+    # a range is annotated on every stream that ran work inside it (e.g. a drain's copies): the training stream's
+    for r in sorted((r for r in ranges if r.get("tid") == training), key=lambda e: e["ts"]):
         begin, end = r["ts"], r["ts"] + r["dur"]
         inside = [e for e in work if begin <= e["ts"] < end]
         mine = [e for e in inside if e["args"].get("stream") == training]
