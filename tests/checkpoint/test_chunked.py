@@ -86,3 +86,20 @@ def test_chunks_locked_before_a_failed_copy_are_still_reported_for_unlocking():
     with pytest.raises(RuntimeError):
         chunked.copy_in_chunks(buffer, plan, targets, lambda address, nbytes: True, pinned)
     assert sorted(pinned) == [buffer.data_ptr() + start for start, _, _ in plan], "every locked chunk is reported"
+
+
+def test_chunks_locked_ahead_are_not_locked_again():
+    """A standby's premap (``premap``) locked the slot's first chunks in the restore's own chunking: the restore
+    locks only the rest, and reports each chunk once."""
+    buffer, layout, views = _slot()
+    plan = chunked.chunk_plan(layout, views, buffer.numel(), CHUNK)
+    targets = {key: torch.empty_like(view) for key, view in views.items()}
+    base = buffer.data_ptr()
+    ahead = [base + start for start, _, _ in plan[:2]]
+    registered: list[int] = []
+    pinned = list(ahead)
+    chunked.copy_in_chunks(buffer, plan, targets, lambda address, nbytes: registered.append(address) or True, pinned)
+    assert sorted(registered) == [base + start for start, _, _ in plan[2:]]
+    assert sorted(pinned) == [base + start for start, _, _ in plan]
+    for key, view in views.items():
+        assert torch.equal(targets[key].view(torch.uint8), view.view(torch.uint8)), key

@@ -24,9 +24,10 @@ def test_first_step_marker_records_the_command_line_and_directory(tmp_path, monk
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(sys, "argv", ["trainer", "--config", "tiny", "--train.steps=7"])
     monkeypatch.chdir(tmp_path)
-    startup.first_step_done()
+    startup.first_step_done(["/dev/shm/x/rank-00001.slot-0.data"])
     record = json.loads((tmp_path / "first-step-1").read_text())
-    assert record == {"argv": ["--config", "tiny", "--train.steps=7"], "cwd": str(tmp_path)}
+    assert record == {"argv": ["--config", "tiny", "--train.steps=7"], "cwd": str(tmp_path),
+                      "snapshot_files": ["/dev/shm/x/rank-00001.slot-0.data"]}
     assert [p.name for p in tmp_path.iterdir()] == ["first-step-1"]  # written whole, no partial file left
 
 
@@ -95,3 +96,19 @@ def test_the_standby_keeps_its_environment_whatever_the_prewarm_sets(tmp_path, m
     record = {"argv": ["--config", "tiny", "--data.path=data"], "cwd": str(tmp_path)}
     assert _note(tmp_path, monkeypatch, json.dumps(record)) == "; prewarm warmed"
     assert dict(os.environ) == before  # the handoff compares it with the worker's (import_time_mismatch)
+
+
+@pytest.mark.parametrize("extra, files, note", [
+    (["--resiliency.standby_premap=false"], ["/dev/shm/x/rank-00000.slot-0.data"],
+     "; no premap (resiliency.standby_premap=false)"),
+    ([], [], ""),  # no node-local tier: nothing to page-lock
+])
+def test_standby_premaps_only_the_slot_files_the_marker_names_when_on(tmp_path, monkeypatch, extra, files, note):
+    record = {"argv": ["--config", "tiny", "--data.path=data", *extra], "cwd": str(tmp_path), "snapshot_files": files}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "first-step-0").write_text(json.dumps(record))
+    standby = Standby(0, str(tmp_path), DEFAULT_TARGET, None)
+    standby.device = torch.device("cpu")
+    standby._prewarm()
+    assert standby.snapshot_files == files
+    assert standby._premap() == note and standby.premapper is None

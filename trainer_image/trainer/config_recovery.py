@@ -194,6 +194,10 @@ class ResiliencyConfig:
     this model (one block, vocabulary <= 4096, 512 tokens) for two steps and frees it before it is needed, so the
     worker it becomes finds the kernels loaded (``trainer/prewarm.py``). Skipped when the device has less than
     twice its ~1.5 GiB free beside the running worker."""
+    standby_premap: bool = True
+    """GPU, with warm standby workers: a standby maps and page-locks the node-local snapshot slots of the worker it
+    may replace (the same pages: no extra memory), in the background at the lowest priority, so that an in-job
+    restore copies them at once instead of page-locking them first (``trainer/checkpoint/premap.py``)."""
     last_call_wait_s: float = 0.1
     """In-process: once a rank reported a fault, how long every rank waits for others to report theirs before it
     aborts and restarts. Every in-process restart pays it; it only decides which ranks the restart's log line names

@@ -138,6 +138,9 @@ class Standby:
         self.note = ""
         self.ready_at = 0.0
         self.device = None
+        self.job_cfg = None
+        self.snapshot_files: list[str] = []
+        self.premapper = None
 
     def warm(self) -> None:
         """Imports and the CUDA context, in a thread at the lowest priority."""
@@ -152,6 +155,7 @@ class Standby:
                 self.note = self._cuda_context()
                 if self.device is not None and self.target == DEFAULT_TARGET:
                     self.note += self._prewarm()
+                    self.note += self._premap()
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 failure.append(exc)
 
@@ -195,6 +199,7 @@ class Standby:
 
             os.chdir(cwd)  # a relative --config or data path, as the worker saw it (the handoff sets it again)
             _, cfg = parse_args(argv)
+            self.job_cfg, self.snapshot_files = cfg, [str(p) for p in record.get("snapshot_files", [])]
             if not cfg.resiliency.standby_prewarm:
                 return "; no prewarm (resiliency.standby_prewarm=false)"
             return f"; prewarm {prewarm(cfg, self.device)}"
@@ -204,6 +209,21 @@ class Standby:
         finally:  # what the warm-up set (Inductor's TORCHINDUCTOR_CACHE_DIR, seen on H200) is not the worker's
             os.environ.clear()
             os.environ.update(environment)
+
+    def _premap(self) -> str:
+        """Map and page-lock the node-local snapshot slots of the worker it replaces, in the background until it is
+        taken (``trainer/checkpoint/premap.py``, knob ``resiliency.standby_premap``): its restore then copies
+        at once instead of page-locking 18 GB first."""
+        if self.job_cfg is None or not self.snapshot_files:
+            return ""
+        if not self.job_cfg.resiliency.standby_premap:
+            return "; no premap (resiliency.standby_premap=false)"
+        from trainer.checkpoint.premap import Premapper
+
+        torch, device = sys.modules["torch"], self.device
+        self.premapper = Premapper(self.snapshot_files, thread_init=lambda: torch.cuda.set_device(device))
+        self.premapper.start()
+        return f"; page-locking its {len(self.snapshot_files)} node-local snapshot slots in the background"
 
     def serve(self) -> int:
         """Listen until a launched worker hands itself over, then run as it; returns the exit code."""
@@ -283,9 +303,15 @@ class Standby:
         startup = sys.modules.get("trainer.startup")
         if startup is not None:  # the start clock's origin is the launched process's creation
             startup.CLOCK = startup.StartClock(origin=float(request["start_time"]))
+        premapped = ""
+        if self.premapper is not None:  # FT: stopped before the restore that takes its mappings
+            self.premapper.stop()
+            premapped = f"; {self.premapper.locked_bytes() / 2**30:.1f} GiB of its snapshot slots page-locked ahead"
+            if self.premapper.refused:
+                premapped += f" ({self.premapper.refused})"
         print(f"trainer: standby worker (pid {os.getpid()}, warm for {time.monotonic() - self.ready_at:.1f} s) "
               f"took over local rank {self.local_rank} (rank {request['env'].get('RANK', '?')}, launched as pid "
-              f"{request['pid']})", file=sys.stderr, flush=True)
+              f"{request['pid']}){premapped}", file=sys.stderr, flush=True)
         module, function = self.target.split(":")
         try:
             code = getattr(importlib.import_module(module), function)(sys.argv[1:])

@@ -180,15 +180,16 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, marks: di
              before)
 
 
-def first_step_done() -> None:
+def first_step_done(snapshot_files: list[str] | tuple[str, ...] = ()) -> None:
     """This worker finished its first step: the standby server (``trainer/standby.py``) may now warm a replacement
-    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``, holding this worker's command line and working
-    directory as JSON); nothing without that directory."""
+    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``, holding this worker's command line, working
+    directory and node-local snapshot slot files as JSON); nothing without that directory."""
     directory = os.environ.get(STANDBY_DIR_ENV)
     if not directory:
         return
     path = os.path.join(directory, FIRST_STEP_MARKER.format(rank=os.environ.get("LOCAL_RANK", "0")))
-    record = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd()})  # what the standby warms for (prewarm.py)
+    # what the standby warms for (prewarm.py) and the slots it page-locks ahead (checkpoint/premap.py)
+    record = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "snapshot_files": list(snapshot_files)})
     try:  # FT: a standby for the next in-job restart is warmed only now, after this start-up and restore
         with open(f"{path}.{os.getpid()}", "w") as f:
             f.write(record)

@@ -70,12 +70,15 @@ def copy_in_chunks(buffer: torch.Tensor, plan: Plan, targets: dict[str, torch.Te
     page-locked by ``register(address, nbytes)`` on ``REGISTER_THREADS`` threads (``thread_init`` runs in each), so
     later chunks are being locked while earlier ones are copied (asynchronously, on ``stream`` when given). A chunk
     ``register`` could not lock is copied from pageable memory. Every address locked is appended to ``registered``
-    as soon as it is (also when a copy fails: the caller unregisters them)."""
+    as soon as it is (also when a copy fails: the caller unregisters them); one already in it is not locked again."""
     flat = {key: target.view(-1).view(torch.uint8) for key, target in targets.items()}
     base = buffer.data_ptr()
     guard = threading.Lock()
+    already = set(registered)  # locked ahead (a standby's premap: ``premap``), in these same chunks
 
     def lock_chunk(address: int, nbytes: int) -> bool:
+        if address in already:
+            return True
         if not register(address, nbytes):
             return False
         with guard:

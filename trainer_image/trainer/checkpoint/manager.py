@@ -248,6 +248,11 @@ class CheckpointManager:
         return {"count": len(ordered), "median_s": round(statistics.median(ordered), 4), "p90_s": round(p90, 4),
                 "max_s": round(ordered[-1], 4)}
 
+    def snapshot_files(self) -> list[str]:
+        """This rank's node-local slot files (a warm standby page-locks them ahead of an in-job restart); none
+        without the node-local tier."""
+        return [str(s.data_path) for s in self.snapshots.slots] if self.snapshots.node_local else []
+
     def latest_in_memory(self) -> Slot | None:
         """This rank's newest complete memory checkpoint, or None."""
         return self.snapshots.newest()

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import chunked
+from trainer.checkpoint import chunked, premap
 from trainer.checkpoint.chunked import by_device, checksum, device_checksum, memory_backed, warn_unpinned
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import Piece
@@ -420,7 +420,13 @@ class SnapshotStore:
             if why:
                 log.warning("ignoring node-local snapshot %s: %s; the next tier is used", slot.meta_path, why)
                 continue
-            slot.buffer = map_file(slot.data_path, meta["nbytes"])
+            premapped = premap.take(slot.data_path, meta["nbytes"])  # FT: mapped and locked by the standby
+            slot.buffer = premapped.buffer if premapped else map_file(slot.data_path, meta["nbytes"])
+            slot.chunk_pins = premapped.chunks if premapped else []
+            if premapped:
+                log.info("node-local snapshot of step %d: %.1f of %.1f GiB page-locked ahead by the standby",
+                         meta["step"], min(len(premapped.chunks) * chunked.CHUNK_BYTES, meta["nbytes"]) / 2**30,
+                         meta["nbytes"] / 2**30)
             slot.layout, slot.views = expected, map_views(slot.buffer, expected)
             slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
             self._expected_checksum[slot.index] = meta["checksum"]

@@ -280,7 +280,7 @@ class Layers:
     def after_step(self, step: int, checkpointer: Any, state: dict[str, Any], saved: bool) -> None:
         if saved:
             self.heartbeat.on_save()
-        start = self._first_step_done() if self.starting else None
+        start = self._first_step_done(checkpointer) if self.starting else None
         if self.ledger is not None:
             self.ledger.on_step_end(step, start)
         # FT: a straggler report every straggler_report_every steps; evict: commit this step, end the job (201)
@@ -300,7 +300,7 @@ class Layers:
         with self.atomic():  # synchronous: returns once committed (a no-op wait if step was saved)
             checkpointer.save(step, state, force=True)
 
-    def _first_step_done(self) -> dict[str, Any] | None:
+    def _first_step_done(self, checkpointer: Any) -> dict[str, Any] | None:
         """The first step of this (re)start ended: log its phases; returned for the ledger's ``recovered``."""
         self.starting = False
         clock = startup.CLOCK
@@ -312,7 +312,7 @@ class Layers:
         if not clock.reentry:  # a new process: nothing of an in-process restart came before this start
             marks = {}
         startup.report(log, phases, clock.reentry, marks)
-        startup.first_step_done()  # FT: the standby server may now warm this rank's replacement
+        startup.first_step_done(checkpointer.snapshot_files())  # FT: the standby server may now warm a replacement
         if self.call_wrapper is not None:  # what the Wrapper's full collections will scan at the next restart
             log.info("garbage collector: %s", startup.unfrozen_summary())
         return {"origin": clock.origin, "end": clock.last_mark, "phases": phases, "marks": marks}

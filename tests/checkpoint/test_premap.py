@@ -1,0 +1,148 @@
+"""A warm standby maps and page-locks the node-local snapshot slots of the worker it may replace
+(``trainer/checkpoint/premap.py``), and the worker it becomes restores from those mappings without locking them
+again. Here the driver's registration is a recorder (CPU); the H200 effect is the in-job ``restore`` phase
+(BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from trainer.checkpoint import chunked, premap
+
+CHUNK = 4096
+
+
+class Driver:
+    """cudaHostRegister/cudaHostUnregister as a ledger of locked addresses."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.locked: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.refuse = refuse
+
+    def register(self, address: int, nbytes: int) -> bool:
+        self.calls.append(("register", address))
+        if self.refuse:
+            return False
+        assert address not in self.locked, "locked twice"
+        self.locked[address] = nbytes
+        return True
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+        assert self.locked.pop(address, None) is not None, "unlocked what was not locked"
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", CHUNK)
+    drv = Driver()
+    monkeypatch.setattr(chunked, "cuda_unregister", drv.unregister)  # what a slot releases its chunks with
+    yield drv
+    premap.release_all(drv.unregister)
+
+
+def _write(path: Path, nbytes: int, seed: int = 0) -> bytes:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    path.write_bytes(data.numpy().tobytes())
+    return data.numpy().tobytes()
+
+
+def test_a_slot_file_is_locked_chunk_by_chunk_and_its_mapping_shows_the_workers_latest_bytes(tmp_path, driver):
+    path = tmp_path / "rank-00000.slot-0.data"
+    _write(path, 3 * CHUNK + CHUNK // 2)
+    mapper = premap.Premapper([str(path)], driver.register, driver.unregister)
+    mapper.refresh(str(path))
+    mapper.refresh(str(path))  # nothing changed: nothing locked again
+    assert mapper.locked_bytes() == 3 * CHUNK + CHUNK // 2
+    newer = _write(tmp_path / "newer", path.stat().st_size, seed=1)
+    with open(path, "r+b") as f:  # the live worker writes its next snapshot into the same file
+        f.write(newer)
+    entry = premap.take(path, path.stat().st_size, driver.unregister)
+    assert entry is not None and bytes(entry.buffer.numpy()) == newer  # MAP_SHARED: the same pages
+    base = entry.buffer.data_ptr()
+    assert entry.chunks == [base + i * CHUNK for i in range(4)]
+    assert driver.locked == {base: CHUNK, base + CHUNK: CHUNK, base + 2 * CHUNK: CHUNK, base + 3 * CHUNK: CHUNK // 2}
+    assert premap.take(path, path.stat().st_size, driver.unregister) is None  # taken once; the taker owns it
+
+
+def test_a_resized_replaced_or_removed_file_is_unlocked_and_mapped_again(tmp_path, driver):
+    path = tmp_path / "slot.data"
+    _write(path, 2 * CHUNK)
+    mapper = premap.Premapper([str(path)], driver.register, driver.unregister)
+    mapper.refresh(str(path))
+    first = set(driver.locked)
+    os.truncate(path, 3 * CHUNK)  # the worker's state grew: its slot was resized
+    mapper.refresh(str(path))
+    assert not first & set(driver.locked) and sum(driver.locked.values()) == 3 * CHUNK
+    _write(tmp_path / "other", 3 * CHUNK)
+    os.replace(tmp_path / "other", path)  # another file at that path: the mapping is stale
+    assert premap.take(path, 3 * CHUNK, driver.unregister) is None and driver.locked == {}
+    mapper.refresh(str(path))
+    path.unlink()  # the job ended and removed its slots: nothing may stay pinned
+    mapper.refresh(str(path))
+    assert driver.locked == {} and mapper.locked_bytes() == 0
+
+
+def test_stop_ends_after_the_chunk_being_locked_and_a_refusal_ends_the_thread(tmp_path, driver):
+    path = tmp_path / "slot.data"
+    _write(path, 4 * CHUNK)
+    mapper = premap.Premapper([str(path)], driver.register, driver.unregister)
+
+    def register_then_stop(address: int, nbytes: int) -> bool:
+        mapper.stop()  # the handoff arrives while a chunk is being locked
+        return driver.register(address, nbytes)
+
+    mapper.register = register_then_stop
+    mapper.refresh(str(path))
+    assert len(driver.locked) == 1 and mapper.locked_bytes() == CHUNK
+    premap.release_all(driver.unregister)
+    refusing = Driver(refuse=True)
+    mapper = premap.Premapper([str(path)], refusing.register, refusing.unregister, poll_s=0.01)
+    mapper.start()
+    mapper._thread.join(timeout=30)
+    assert not mapper._thread.is_alive() and "refused" in mapper.refused  # the restore locks what it needs itself
+    assert [c for c, _ in refusing.calls] == ["register"]
+
+
+def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_once(tmp_path, pg, driver, caplog):
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0)
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    expected = snapshot(state)
+    files = mgr.snapshot_files()
+    assert len(files) == 2 and all(Path(f).is_file() for f in files)
+    mgr.close()  # the worker dies; its standby had mapped and locked its slots
+    mapper = premap.Premapper(files, driver.register, driver.unregister)
+    for path in files:
+        mapper.refresh(path)
+    ahead = {premap._REGISTRY[f].buffer.data_ptr(): list(premap._REGISTRY[f].chunks) for f in files}
+    respawned = manager(tmp_path)
+    try:
+        restored = make_state(seed=7)
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            assert respawned.load_latest(restored) == 2
+        assert "page-locked ahead by the standby" in caplog.text
+        assert_equal(snapshot(restored), expected)
+        for slot in respawned.snapshots.slots:  # the standby's mappings, not new ones
+            assert slot.chunk_pins == ahead[slot.buffer.data_ptr()]
+        assert premap._REGISTRY == {}
+    finally:
+        respawned.close(job_over=True)
+    assert driver.locked == {}, "a chunk the standby locked was never unlocked"
+
+
+def test_manager_names_no_slot_files_without_the_node_local_tier(tmp_path, pg):
+    mgr = manager(tmp_path, node_local=False)
+    try:
+        assert mgr.snapshot_files() == []
+    finally:
+        mgr.close()
