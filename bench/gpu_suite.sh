@@ -73,14 +73,17 @@ part_checkpoint() {  # the tiers as a run uses them, on one GPU (18 GB of state)
 }
 
 part_injob() {  # ~1 minute: one in-job restart (SIGKILL at step 35 of 45, node-local tier), a peer for the goodput
-  # run's in-job restart in the same call (e.g. TRAINER_STANDBY=0 here against the goodput run's default)
+  # run's in-job restart in the same call (e.g. TRAINER_STANDBY=0 here against the goodput run's default).
+  # INJOB_FAULT_STEP (35; the standby is warm and has page-locked the slots ~40 s after the first step: 125 for
+  # the goodput run's path), INJOB_STEPS (fault + 10), INJOB_NAME (injob) for several runs in one call.
   ensure_data
-  faulty "injob" 1 --train.steps=45 --checkpoint.interval=10 --checkpoint.persist_every=0 \
-    --resiliency.faults=0:35:sigkill
-  python3 bench/figures.py recovery "$OUT/injob" | fig
-  grep -hE "start phases|standby|restored step|injecting fault|Worker group|garbage collector" "$OUT/injob.log" \
-    | cut -c1-260 > "$OUT/injob-events.log"
-  rm -rf "$CKPT_ROOT/injob"
+  local at="${INJOB_FAULT_STEP:-35}" name="${INJOB_NAME:-injob}"
+  faulty "$name" 1 --train.steps="${INJOB_STEPS:-$(( at + 10 ))}" --checkpoint.interval=10 \
+    --checkpoint.persist_every=0 --resiliency.faults=0:"$at":sigkill
+  python3 bench/figures.py recovery "$OUT/$name" | fig
+  grep -hE "start phases|standby|page-locked|restored step|injecting fault|Worker group|garbage collector" \
+    "$OUT/$name.log" | cut -c1-260 > "$OUT/$name-events.log"
+  rm -rf "$CKPT_ROOT/$name"
 }
 
 part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) recovery, 1b eager on one GPU
