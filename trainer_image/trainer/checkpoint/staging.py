@@ -166,7 +166,8 @@ class Drain:
         return self.done is not None and bool(self.done.query())
 
     def synchronize(self) -> None:
-        self.pump()
+        while self.done is None:  # the default pump queues the rest at once; a budget that never says so, in parts
+            self.pump()
         self.done.synchronize()
 
 
