@@ -144,8 +144,7 @@ def test_a_staged_snapshot_drains_a_part_per_step_and_restores_bit_identical(tmp
     from trainer.checkpoint import staging
 
     monkeypatch.setattr(staging, "SNAPSHOT_COPY_BYTES", 4 << 10)  # the test model's state: ~60 pieces
-    # 3 pieces a step; all at once without a step time (a blocking save's synchronize), as drain_part_bytes
-    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, step_s, *_: None if step_s <= 0 else 3 * (4 << 10))
+    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, *_: 3 * (4 << 10))
     state = _state()
     mgr = _manager(tmp_path, "on", shm_dir)
     try:

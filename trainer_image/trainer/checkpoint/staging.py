@@ -142,12 +142,12 @@ class Drain:
         self.copier, self.slot_bytes, self.pieces = copier, slot_bytes, pieces
         self.done: Any = None
 
-    def pump(self, step_s: float = -1.0, steps_left: int | None = None) -> None:
+    def pump(self, step_s: float = -1.0, steps_left: int | None = None, rest: bool = False) -> None:
         """Queue the next part (``step_s``: the step time; ``steps_left``: steps before the next snapshot is due,
-        which waits for this drain); the default queues the rest."""
+        which waits for this drain); ``rest``: all that is left."""
         if self.done is not None:
             return
-        budget = self.copier.drain_budget(step_s, sum(_length(p) for p in self.pieces), steps_left)
+        budget = None if rest else self.copier.drain_budget(step_s, sum(_length(p) for p in self.pieces), steps_left)
         stream, staged = self.copier.stream, self.copier.buffer
         stream.wait_stream(torch.cuda.current_stream())
         start, end, queued = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0
@@ -166,8 +166,7 @@ class Drain:
         return self.done is not None and bool(self.done.query())
 
     def synchronize(self) -> None:
-        while self.done is None:  # the default pump queues the rest at once; a budget that never says so, in parts
-            self.pump()
+        self.pump(rest=True)
         self.done.synchronize()
 
 
