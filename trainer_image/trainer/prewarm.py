@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from trainer import parallel
+from trainer import parallel, startup
 from trainer.config import JobConfig
 from trainer.model import count_params
 from trainer.train import build_model, build_optimizer
@@ -72,6 +72,7 @@ def prewarm(cfg: JobConfig, device: torch.device, **size: int) -> str:
                 "(twice that free)")
     started = time.perf_counter()
     one_step(small, device)
+    startup.PREWARMED = True
     return (f"warmed on {device} in {time.perf_counter() - started:.2f} s ({small.model.n_layers} block(s), "
             f"vocabulary {small.model.vocab_size}, {small.data.seq_len} tokens)")
 

@@ -43,6 +43,8 @@ STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
 FIRST_STEP_MARKER = "first-step-{rank}"
 """Written by a worker at the end of its first step (its command line and working directory, as JSON): the standby
 server may now warm a replacement for it, configured from that record (``trainer/prewarm.py``)."""
+PREWARMED = False
+"""This process ran ``trainer.prewarm.prewarm`` (a standby that became a worker: ``trainer/standby.py``)."""
 
 PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "first_step")
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import parallel, resiliency, startup
-from trainer.checkpoint import CheckpointManager, committed_steps
+from trainer.checkpoint import CheckpointManager, committed_steps, premap
 from trainer.config import ConfigError, JobConfig, OptimConfig
 from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
@@ -225,6 +225,10 @@ def _warmup(res: Resources, model: nn.Module) -> Any:
 
     def warm_up() -> None:
         if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
+            return
+        if startup.PREWARMED and sum(premap.TAKEN):  # FT: a standby's worker, its slots page-locked ahead: the copy is
+            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot "  # short
+                     "(in-job restore on H200, 1b: 2.32 s without it, 2.85 s with)")
             return
         started = time.perf_counter()
         warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
