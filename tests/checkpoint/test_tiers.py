@@ -243,3 +243,28 @@ def test_a_warm_up_step_while_the_snapshot_is_copied_in_changes_nothing(tmp_path
         finally:
             respawned.close()
     assert_equal(continued[0], continued[1])
+
+
+def test_auto_interval_counts_a_snapshots_cost_over_the_steps_after_it(monkeypatch):
+    """On a GPU a snapshot's cost lands on the steps after it (the staging copies beside the next step, the drain
+    beside the ones after): the cost Young/Daly uses is their extra time over ``AUTO_COST_WINDOW`` steps, not the
+    first step's alone (0.2 s here, which would choose 38 steps instead of 60)."""
+    from trainer.checkpoint import policy as policy_module
+
+    now = {"t": 0.0}
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: now["t"])
+    policy = IntervalPolicy("auto", 3600.0)
+    extra = {1: 0.2, 2: 0.2, 3: 0.1}  # seconds over a 1 s step, by steps after a snapshot; 9 s after the first one
+    taken, chosen, since = [], [], None
+    for step in range(1, 120):
+        now["t"] += 1.0 + (0.0 if since is None else (9.0 if len(taken) == 1 and since == 1 else extra.get(since, 0.0)))
+        policy.tick()
+        since = None if since is None else since + 1
+        if policy.due(step):
+            step_s, cost_s = policy.measurements()
+            interval = policy.snapshot_taken(step, step_s, cost_s)
+            taken.append(step)
+            chosen += [interval] if interval else []
+            since = 0
+    assert policy.measurements() == (1.0, pytest.approx(0.5))
+    assert chosen == [60] and taken[:3] == [5, 10, 15] and taken[3] == 75

@@ -80,7 +80,8 @@ class CheckpointConfig:
     interval: int | str = 0
     """Memory checkpoint every N steps (a snapshot in host memory: it blocks only for the device-to-host copy);
     ``"auto"`` chooses N by Young/Daly, sqrt(2 * measured snapshot cost * ``mtbf_s``), logged and recorded in
-    the recovery ledger; 0 checkpoints only at the end of the run."""
+    the recovery ledger (the cost: the extra time of the 4 steps after a snapshot, where a GPU's staging copies
+    and drain land); 0 checkpoints only at the end of the run."""
     persist_every: int = 1
     """Every N-th memory checkpoint is also written to ``dir`` in the background (the persistent tier, read by
     evaluation, the cluster layer and new nodes); 1 persists every one, 0 only the final one. One that falls due

@@ -19,6 +19,10 @@ AUTO_PROBE_STEPS = 5
 """... and the next ones, until one snapshot's cost has been measured and the interval is chosen. The first snapshot
 of a process is not measured: it pays one-time costs (the slots' reservation, the writer's start, the device
 staging buffer) that would make Young/Daly choose an interval several times too long."""
+AUTO_COST_WINDOW = 4
+"""A snapshot's cost is the extra time of the steps after it, up to this many (or until the next one): on a GPU
+the staging copies run beside the next step and the drain to host memory beside the ones after (H200, ``1b``:
++1.5, +9.7, +4.1, +1.7 ms at S..S+3), so the snapshot step alone shows a fraction of it."""
 _MIN_COST_S = 1e-3
 
 
@@ -38,20 +42,38 @@ class IntervalPolicy:
         self.next_due = AUTO_FIRST_STEP
         self.chosen: int | None = None
         self._last_t: float | None = None
-        self._last_was_snapshot = False
+        self._since: int | None = None
+        """Steps since the last snapshot (None before the first)."""
         self._snapshots = 0
         self.owed_since: int | None = None
         """The step of a due snapshot that was deferred (its slot not ready yet): every step is due until one is
         taken."""
         self._plain: collections.deque[float] = collections.deque(maxlen=50)
-        self._snap: collections.deque[float] = collections.deque(maxlen=8)
+        self._snap: collections.deque[tuple[float, int]] = collections.deque(maxlen=8)
+        """(summed duration, steps) of the steps after each measured snapshot (``AUTO_COST_WINDOW``)."""
+        self._window: list[float] | None = None
 
     def tick(self) -> None:
-        """Called once per step (from ``save``): the time since the last call is one step's duration."""
+        """Called once per step (from ``save``): the time since the last call is one step's duration (the
+        first after a snapshot includes the save's own work)."""
         now = time.perf_counter()
         if self._last_t is not None:
-            (self._snap if self._last_was_snapshot else self._plain).append(now - self._last_t)
-        self._last_t, self._last_was_snapshot = now, False
+            duration = now - self._last_t
+            if self._since is not None:
+                self._since += 1
+            if self._since is None or self._since > AUTO_COST_WINDOW:  # a plain step: no snapshot's cost in it
+                self._plain.append(duration)
+            if self._window is not None:
+                self._window[0] += duration
+                self._window[1] += 1
+                if self._window[1] >= AUTO_COST_WINDOW:
+                    self._close_window()
+        self._last_t = now
+
+    def _close_window(self) -> None:
+        if self._window is not None and self._window[1] > 0:
+            self._snap.append((self._window[0], int(self._window[1])))
+        self._window = None
 
     def due(self, step: int) -> bool:
         return self.steps_to_next(step) == 0
@@ -74,14 +96,17 @@ class IntervalPolicy:
     def measurements(self) -> tuple[float, float]:
         """(step time without a snapshot, extra time of a step with one); -1 for what is not measured yet."""
         step_s = statistics.median(self._plain) if self._plain else -1.0
-        cost_s = max(_MIN_COST_S, statistics.median(self._snap) - step_s) if self._snap and step_s > 0 else -1.0
-        return step_s, cost_s
+        if not self._snap or step_s <= 0:
+            return step_s, -1.0
+        return step_s, max(_MIN_COST_S, statistics.median(total - steps * step_s for total, steps in self._snap))
 
     def snapshot_taken(self, step: int, step_s: float, cost_s: float) -> int | None:
         """After a snapshot at ``step``, with the agreed (maximum over ranks) step time and snapshot cost.
         Returns the newly chosen interval when ``auto`` chose one (to be logged and recorded), else None."""
         self.owed_since = None
-        self._last_was_snapshot = self._snapshots > 0  # the first one's one-time costs are not its cost
+        self._close_window()  # the previous snapshot's steps end here (an interval shorter than the window)
+        self._since = 0
+        self._window = [0.0, 0.0] if self._snapshots > 0 else None  # the first one's one-time costs are not its cost
         self._snapshots += 1
         if not self.auto:
             return None
