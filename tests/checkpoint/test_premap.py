@@ -44,6 +44,7 @@ def driver(monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK_BYTES", CHUNK)
     drv = Driver()
     monkeypatch.setattr(chunked, "cuda_unregister", drv.unregister)  # what a slot releases its chunks with
+    monkeypatch.setattr(chunked, "memory_backed", lambda directory: True)  # tmp_path may be on a disk
     yield drv
     premap.release_all(drv.unregister)
 
@@ -147,3 +148,14 @@ def test_manager_names_no_slot_files_without_the_node_local_tier(tmp_path, pg):
         assert mgr.snapshot_files() == []
     finally:
         mgr.close()
+
+
+def test_slots_on_a_disk_are_not_page_locked(tmp_path, driver, monkeypatch):
+    """Linux page-locks no file mapping on a disk; the driver's refusal would leave a CUDA error behind in the
+    process that becomes the worker. The standby says so and leaves the slots to the restore's pageable copy."""
+    path = tmp_path / "slot.data"
+    _write(path, 2 * CHUNK)
+    monkeypatch.setattr(chunked, "memory_backed", lambda directory: False)
+    mapper = premap.Premapper([str(path)], driver.register, driver.unregister)
+    mapper.refresh(str(path))
+    assert driver.calls == [] and "not on a memory file system" in mapper.refused and mapper.locked_bytes() == 0

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -143,6 +144,9 @@ class Premapper:
             entry = None
         if now is None:
             return
+        if entry is None and not chunked.memory_backed(Path(path).parent):
+            self.refused = f"{Path(path).parent} is not on a memory file system"  # the driver would refuse and
+            return                                                               # leave a CUDA error behind
         if entry is None:
             try:
                 buffer = torch.from_file(path, shared=True, size=now[2], dtype=torch.uint8)
