@@ -226,8 +226,9 @@ def _warmup(res: Resources, model: nn.Module) -> Any:
     def warm_up() -> None:
         if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
             return
-        if startup.PREWARMED and sum(premap.TAKEN):  # FT: a standby's worker, its slots page-locked ahead: the copy is
-            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot "  # short
+        # FT: a standby's worker whose slots the standby page-locked ahead: the copy is short, the kernels loaded
+        if startup.PREWARMED and sum(premap.TAKEN):
+            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot "
                      "(in-job restore on H200, 1b: 2.32 s without it, 2.85 s with)")
             return
         started = time.perf_counter()
