@@ -14,6 +14,8 @@
 #             its top kernels in the JSON line, profile.txt in runs.tar.gz) then each change off, and the recovery
 #             layers off, and the straggler detector (issue 22) off / reporting every 5 steps instead of 100;
 #             loo-eager likewise (RoPE's kernel is the same in eager mode: no row)
+#   alloc     ours-compiled and ours-eager again with PYTORCH_ALLOC_CONF=$TITAN_ALLOC_CONF (torchtitan's
+#             launcher exports expandable segments; entrypoint.sh sets none): a row for issue 21's memory goal
 #   before    the trainer tree in $BEFORE_TREE, compiled and eager (20 steps)
 #   table     $OUT/table.md from $OUT/throughput.jsonl (bench/figures.py table)
 # Every figure: median over the steps after 10 of each step's time on the GPU's timeline (CUDA events at step
@@ -95,6 +97,7 @@ done
 exec ft_launcher "\${args[@]}"
 EOF
   chmod +x "$shim"
+  PYTORCH_ALLOC_CONF="${OURS_ALLOC_CONF:-${PYTORCH_ALLOC_CONF:-}}" \
   PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" FT_LAUNCHER="$shim" NPROC_PER_NODE="$NPROC" \
     MASTER_PORT=$((29500 + RANDOM % 1000)) FT_MAX_RESTARTS=0 timeout "$(limit $((2 * est)))" \
     trainer_image/entrypoint.sh "${base[@]}" --resiliency.inprocess=true "$@" 2>"$RUNS/$label.log" | fig
@@ -126,6 +129,11 @@ part_headline() {
   titan titan-compiled 100 --compile
   production ours-eager 45 --train.compile=false
   titan titan-eager 55 --no-compile
+}
+
+part_alloc() {  # the headline's two trainer rows again with the allocator settings torchtitan's runs get
+  OURS_ALLOC_CONF="$TITAN_ALLOC_CONF" production ours-compiled-alloc 80 --train.compile=true
+  OURS_ALLOC_CONF="$TITAN_ALLOC_CONF" production ours-eager-alloc 45 --train.compile=false
 }
 
 part_loo() {

@@ -40,4 +40,8 @@ def test_table_pairs_the_frameworks_and_lists_the_leave_one_out_rows():
     assert "**—**" in eager and "torchtitan: exit 1: OOM" in eager
     assert "| plain-loss | --train.chunked_loss=false | 61,740 | -2.0 % |" in text
     assert text.index("| all |") < text.index("| plain-loss |")
+    assert "allocator as torchtitan's" not in text  # no such row measured
+    alloc = table(lines + [_line("ours-compiled-alloc", 62000, 47.0)])
+    row = next(r for r in alloc.splitlines() if r.startswith("| compiled, allocator as torchtitan's"))
+    assert "62,000 | 60,000 | **1.033** missed" in row and "47.00 / 50.70 GiB | met" in row
 
