@@ -15,17 +15,34 @@ Modules mirror the design (``CHECKPOINTS.md`` describes the layout and the choic
 - ``manager``: ``CheckpointManager``, which composes them.
 
 Only this package and ``trainer.resiliency`` import NVRx.
+
+``CheckpointManager`` is imported on first use (``__getattr__``): each rank's checkpoint writer process imports
+this package to reach ``writer``, and the manager's imports (``torch.distributed.checkpoint``, DTensor) are about
+half of that process's start-up, none of which it uses.
 """
+
+from typing import TYPE_CHECKING
 
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError, is_disk_full
 from trainer.checkpoint.layout import (
     MANIFEST, ShardUnreadable, committed_steps, copy_overlap, find_valid_checkpoint, load_model_weights,
     step_dir_name,
 )
-from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.writer import FAULT_ENV
+
+if TYPE_CHECKING:
+    from trainer.checkpoint.manager import CheckpointManager
 
 __all__ = [
     "FAULT_ENV", "MANIFEST", "CheckpointError", "CheckpointManager", "CheckpointStorageError", "ShardUnreadable",
     "committed_steps", "copy_overlap", "find_valid_checkpoint", "is_disk_full", "load_model_weights", "step_dir_name",
 ]
+
+
+def __getattr__(name: str):
+    if name == "CheckpointManager":
+        from trainer.checkpoint.manager import CheckpointManager
+
+        globals()[name] = CheckpointManager
+        return CheckpointManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
