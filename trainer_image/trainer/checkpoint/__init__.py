@@ -6,6 +6,7 @@ Modules mirror the design (``CHECKPOINTS.md`` describes the layout and the choic
 - ``state``: the training state as flat local tensors plus per-rank state;
 - ``slots``: snapshot slots in named shared memory: the memory and node-local tiers;
 - ``staging``: how a snapshot's tensors get into its slot (CPU copy, direct device-to-host, device staging);
+- ``premap``: a warm standby's mapping and page-locking of the slots ahead of the in-job restart it may serve;
 - ``reaper``: what the job leaves in node memory, and its removal when no process needs it any more;
 - ``writer``: the background writer of the persistent tier (NVRx ``AsyncCallsQueue``);
 - ``persistent``: the persistent tier: a write in flight, its commit, retention, and loading from disk;
