@@ -127,6 +127,11 @@ def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_o
     for path in files:
         mapper.refresh(path)
     ahead = {premap._REGISTRY[f].buffer.data_ptr(): list(premap._REGISTRY[f].chunks) for f in files}
+    other = tmp_path / "rank-00001.slot-0.data"  # the standby's worker had another rank before this restart
+    _write(other, 2 * CHUNK)
+    mapper.paths.append(str(other))
+    mapper.refresh(str(other))
+    others = list(premap._REGISTRY[str(other)].chunks)
     respawned = manager(tmp_path)
     try:
         restored = make_state(seed=7)
@@ -136,7 +141,7 @@ def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_o
         assert_equal(snapshot(restored), expected)
         for slot in respawned.snapshots.slots:  # the standby's mappings, not new ones
             assert slot.chunk_pins == ahead[slot.buffer.data_ptr()]
-        assert premap._REGISTRY == {}
+        assert premap._REGISTRY == {} and not set(others) & set(driver.locked)  # what no slot took: released
     finally:
         respawned.close(job_over=True)
     assert driver.locked == {}, "a chunk the standby locked was never unlocked"

@@ -60,8 +60,7 @@ def identity(path: str) -> tuple[int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size) if st.st_size > 0 else None
 
 
-def take(path: str | os.PathLike, nbytes: int, unregister: Callable[[int], None] = chunked.cuda_unregister
-         ) -> Premapped | None:
+def take(path: str | os.PathLike, nbytes: int, unregister: Callable[[int], None] | None = None) -> Premapped | None:
     """The standby's mapping of ``path`` for a slot of ``nbytes``, if it is still that file; the caller owns its
     registered chunks from now on. Otherwise None (a stale mapping is unregistered and dropped)."""
     with _LOCK:
@@ -75,7 +74,7 @@ def take(path: str | os.PathLike, nbytes: int, unregister: Callable[[int], None]
     return None
 
 
-def release_all(unregister: Callable[[int], None] = chunked.cuda_unregister) -> None:
+def release_all(unregister: Callable[[int], None] | None = None) -> None:
     """Unregister and unmap whatever was not taken (a standby that ends unused, or a restore that did not use it)."""
     with _LOCK:
         entries = list(_REGISTRY.values())
@@ -84,9 +83,9 @@ def release_all(unregister: Callable[[int], None] = chunked.cuda_unregister) -> 
         _drop(entry, unregister)
 
 
-def _drop(entry: Premapped, unregister: Callable[[int], None]) -> None:
+def _drop(entry: Premapped, unregister: Callable[[int], None] | None) -> None:
     for address in entry.chunks:
-        unregister(address)
+        (unregister or chunked.cuda_unregister)(address)
     entry.chunks = []
 
 

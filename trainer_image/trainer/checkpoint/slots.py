@@ -408,6 +408,12 @@ class SnapshotStore:
         """Map the slots a previous process of this rank published; returns their steps (not yet verified).
         A snapshot of another job, rank, world size, config or model is ignored with a warning. ``pieces_fn``
         gives this model's pieces; it is called only when there is a header to check."""
+        try:
+            return self._discover(pieces_fn)
+        finally:  # FT: what a standby page-locked and no slot took (another rank's files, a slot with no header)
+            premap.release_all()
+
+    def _discover(self, pieces_fn: Callable[[], dict[str, Piece]]) -> list[int]:
         if not self.node_local or any(s.buffer is not None for s in self.slots):
             return self.held_steps()
         headers = [slot for slot in self.slots if slot.meta_path.is_file()]
