@@ -413,14 +413,15 @@ def test_a_drain_part_is_half_a_step_unless_the_next_snapshot_needs_more():
     assert auto.steps_to_next(21) == 4 and auto.steps_to_next(30) == 0
 
 
-def test_a_step_never_waits_on_the_host_for_a_drain_but_does_for_a_copy_that_reads_the_live_tensors(tmp_path, pg):
-    """``wait_for_staging`` (before every ``optimizer.step()``): a device-staged snapshot's drain reads only the
-    staging buffer, so once the training stream waits for the copy into it the host never waits for the drain
-    (it did: the second step after a save queued the rest of the drain at once and held the host thread for it,
-    169 ms a snapshot on H200 with 1b); a copy that reads the live tensors themselves is still waited for."""
+def test_a_step_never_waits_on_the_host_for_a_snapshots_copy(tmp_path, pg):
+    """``wait_for_staging`` (before every ``optimizer.step()``): the training stream waits once, on the device, for
+    the copier's ``sources_read`` (the point after which the live tensors may change; consumed here before the
+    call, as at the first step after a save); after that the host never waits for the copy still in flight. It did:
+    for a device-staged drain, the second step after a save queued the rest of the drain at once and held the host
+    thread for it, 169 ms a snapshot on H200 with 1b. The slot becomes the snapshot once its copy has landed."""
     from trainer.checkpoint.staging import Drain
 
-    class Copy:  # a CUDA event's duck type: a copy straight from the live tensors (DirectCopy)
+    class Copy:  # a CUDA event's duck type: a device-to-host copy still in flight (DirectCopy)
         def __init__(self) -> None:
             self.landed, self.host_waits = False, 0
 
@@ -430,7 +431,7 @@ def test_a_step_never_waits_on_the_host_for_a_drain_but_does_for_a_copy_that_rea
         def synchronize(self) -> None:
             self.host_waits += 1
 
-    class LandingDrain(Copy, Drain):  # a drain whose parts are not all queued yet
+    class LandingDrain(Copy, Drain):  # a device-staged drain whose parts are not all queued yet
         def __init__(self) -> None:
             Copy.__init__(self)
             Drain.__init__(self, None, None, [(0, 1)])  # type: ignore[arg-type]
@@ -442,12 +443,9 @@ def test_a_step_never_waits_on_the_host_for_a_drain_but_does_for_a_copy_that_rea
         for event in (LandingDrain(), Copy()):
             slot.staging, slot.event, slot.sources_read = 5, event, None
             mgr.wait_for_staging()
-            if isinstance(event, Drain):
-                assert event.host_waits == 0 and mgr.snapshots.staged() is slot  # still draining, not waited for
-                event.landed = True
-                mgr.wait_for_staging()  # landed: the slot becomes the snapshot of step 5
-            else:
-                assert event.host_waits == 1  # the optimizer must not change what it is still reading
+            assert event.host_waits == 0 and mgr.snapshots.staged() is slot, type(event).__name__
+            event.landed = True
+            mgr.wait_for_staging()  # landed: the slot becomes the snapshot of step 5
             assert mgr.snapshots.staged() is None and mgr.latest_in_memory() is slot and slot.step == 5
             slot.step = None
     finally:

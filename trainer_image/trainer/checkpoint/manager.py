@@ -216,24 +216,22 @@ class CheckpointManager:
             slot.event.pump(self.policy.measurements()[0], self.policy.steps_to_next(step))
 
     def wait_for_staging(self) -> None:
-        """Called before ``optimizer.step()``, which changes the tensors a snapshot copies. CUDA, device staging:
-        the training stream waits (on the device, the host does not block) for the device-to-device copy; the
-        drain to host memory goes on in the background. Otherwise: blocks until the device-to-host copy has
-        finished. A slot whose copy finished becomes a snapshot and is handed to the writer when it is to be
-        persisted. Never waits for the disk."""
+        """Called before ``optimizer.step()``, which changes the tensors a snapshot copies. CUDA: the training
+        stream waits on the device (the host does not block) for the copies that read those tensors (the copier's
+        ``sources_read``): with device staging the device-to-device copy, its drain to host memory going on in the
+        background; otherwise the device-to-host copy. A slot whose copy finished becomes a snapshot and is handed
+        to the writer when it is to be persisted. Never waits for the disk."""
         slot = self.snapshots.staged()
         if slot is None:
             return
         started = time.perf_counter()
-        # a drain reads only the staging buffer, which the training stream waited for (``sources_read``) at the
-        # first step after the save: the host never waits for the drain here (it did: it queued the rest of the
-        # drain at once at the second step and held the host thread for that step's forward, backward and the
-        # rest of the drain, 169 ms a snapshot on H200 (1b), and the step +18 ms)
-        released = slot.sources_read is not None or isinstance(slot.event, Drain)
+        # once, on the device; the host never waits here for a copy (it did for a drain, which reads only the
+        # staging buffer: from the second step after a save it queued the rest of the drain at once and held the
+        # host thread for that step's forward, backward and the rest, 169 ms a snapshot on H200 (1b))
         if slot.sources_read is not None:
             torch.cuda.current_stream().wait_event(slot.sources_read)
             slot.sources_read = None
-        self._complete_staging(wait=not released)
+        self._complete_staging(wait=False)
         if self.blocking_s:
             self.blocking_s[-1] += time.perf_counter() - started
 

@@ -141,7 +141,8 @@ class Slot:
     event: Any = None
     """CUDA: recorded when the copy into the slot finished."""
     sources_read: Any = None
-    """CUDA, device staging: recorded when the sources were read (the training stream waits for it), else None."""
+    """CUDA: recorded when the copy no longer reads the live tensors (the training stream waits for it once before
+    the next optimizer step), else None."""
     pieces: dict[str, Piece] = field(default_factory=dict)
     payload: dict[str, Any] = field(default_factory=dict)
     locked: bool = False

@@ -67,7 +67,7 @@ class DirectCopy:
                     slot.views[key].copy_(src.detach(), non_blocking=True)
             if checksum:
                 _pending(slot).copy_(device_checksum(list(tensors.values())), non_blocking=True)
-        slot.event, slot.sources_read = torch.cuda.Event(), None
+        slot.event = slot.sources_read = torch.cuda.Event()  # the copies read the live tensors until they land
         slot.event.record(self.stream)
 
 
