@@ -51,7 +51,8 @@ class IntervalPolicy:
         self._plain: collections.deque[float] = collections.deque(maxlen=50)
         self._snap: collections.deque[tuple[float, int]] = collections.deque(maxlen=8)
         """(summed duration, steps) of the steps after each measured snapshot (``AUTO_COST_WINDOW``)."""
-        self._window: list[float] | None = None
+        self._window_s: float | None = None
+        """The steps after the last snapshot so far (``_since`` of them), summed; None: not measured."""
 
     def tick(self) -> None:
         """Called once per step (from ``save``): the time since the last call is one step's duration (the
@@ -63,17 +64,16 @@ class IntervalPolicy:
                 self._since += 1
             if self._since is None or self._since > AUTO_COST_WINDOW:  # a plain step: no snapshot's cost in it
                 self._plain.append(duration)
-            if self._window is not None:
-                self._window[0] += duration
-                self._window[1] += 1
-                if self._window[1] >= AUTO_COST_WINDOW:
+            if self._window_s is not None:
+                self._window_s += duration
+                if self._since == AUTO_COST_WINDOW:
                     self._close_window()
         self._last_t = now
 
     def _close_window(self) -> None:
-        if self._window is not None and self._window[1] > 0:
-            self._snap.append((self._window[0], int(self._window[1])))
-        self._window = None
+        if self._window_s is not None and self._since:
+            self._snap.append((self._window_s, self._since))
+        self._window_s = None
 
     def due(self, step: int) -> bool:
         return self.steps_to_next(step) == 0
@@ -106,7 +106,7 @@ class IntervalPolicy:
         self.owed_since = None
         self._close_window()  # the previous snapshot's steps end here (an interval shorter than the window)
         self._since = 0
-        self._window = [0.0, 0.0] if self._snapshots > 0 else None  # the first one's one-time costs are not its cost
+        self._window_s = 0.0 if self._snapshots > 0 else None  # the first one's one-time costs are not its cost
         self._snapshots += 1
         if not self.auto:
             return None
