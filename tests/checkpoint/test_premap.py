@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
+from statelib import assert_equal, make_state, manager, pg, save_two_steps, snapshot  # noqa: F401 - pg
 from trainer.checkpoint import chunked, premap
 
 CHUNK = 4096
@@ -116,9 +116,7 @@ def test_stop_ends_after_the_chunk_being_locked_and_a_refusal_ends_the_thread(tm
 def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_once(tmp_path, pg, driver, caplog):
     state = make_state()
     mgr = manager(tmp_path, persist_every=0)
-    for step in (1, 2):
-        train_step(state, step)
-        mgr.save(step, state)
+    save_two_steps(mgr, state)
     expected = snapshot(state)
     files = mgr.snapshot_files()
     assert len(files) == 2 and all(Path(f).is_file() for f in files)

@@ -12,11 +12,11 @@ no extra memory), so the mapping always shows what the worker last wrote.
 
 At the handoff the thread stops (``stop``), and ``SnapshotStore.discover`` takes a file's mapping (``take``) when it
 is still the same file (device, inode, size); the restore then copies at once from the chunks already locked and
-locks the rest. A file that changed or vanished is unregistered and unmapped; so is everything left at exit."""
+locks the rest. A file that changed or vanished is unregistered and unmapped; so is what no slot took, once
+``discover`` is done (``release_all``)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -27,8 +27,6 @@ from typing import Callable
 import torch
 
 from trainer.checkpoint import chunked
-
-log = logging.getLogger(__name__)
 
 POLL_S = 2.0
 """How often the standby looks at the slot files again (new, resized, replaced or removed)."""
@@ -50,6 +48,10 @@ class Premapped:
     buffer: torch.Tensor
     chunks: list[int] = field(default_factory=list)
 
+    @property
+    def locked_bytes(self) -> int:
+        return min(len(self.chunks) * chunked.CHUNK_BYTES, self.buffer.numel())
+
 
 def identity(path: str) -> tuple[int, int, int] | None:
     """The file's (device, inode, size); None when it is missing or empty (a slot not reserved yet)."""
@@ -68,7 +70,7 @@ def take(path: str | os.PathLike, nbytes: int, unregister: Callable[[int], None]
     if entry is None:
         return None
     if entry.identity == identity(str(path)) and entry.buffer.numel() == nbytes:
-        TAKEN.append(min(len(entry.chunks) * chunked.CHUNK_BYTES, nbytes))
+        TAKEN.append(entry.locked_bytes)
         return entry
     _drop(entry, unregister)
     return None
@@ -116,7 +118,7 @@ class Premapper:
     def locked_bytes(self) -> int:
         with _LOCK:
             entries = [_REGISTRY[p] for p in self.paths if p in _REGISTRY]
-        return sum(min(len(e.chunks) * chunked.CHUNK_BYTES, e.buffer.numel()) for e in entries)
+        return sum(e.locked_bytes for e in entries)
 
     def _run(self) -> None:
         try:
@@ -163,9 +165,5 @@ class Premapper:
             if not self.register(base + start, min(chunked.CHUNK_BYTES, nbytes - start)):
                 self.refused = f"the driver refused to page-lock {path}"
                 return
-            with _LOCK:
-                if _REGISTRY.get(path) is not entry:  # taken meanwhile (cannot happen before stop): give it back
-                    self.unregister(base + start)
-                    return
-                entry.chunks.append(base + start)
+            entry.chunks.append(base + start)  # ``take`` runs only after ``stop`` has joined this thread
             self._stop.wait(PAUSE_FACTOR * (time.perf_counter() - began))

@@ -432,8 +432,7 @@ class SnapshotStore:
             slot.chunk_pins = premapped.chunks if premapped else []
             if premapped:
                 log.info("node-local snapshot of step %d: %.1f of %.1f GiB page-locked ahead by the standby",
-                         meta["step"], min(len(premapped.chunks) * chunked.CHUNK_BYTES, meta["nbytes"]) / 2**30,
-                         meta["nbytes"] / 2**30)
+                         meta["step"], premapped.locked_bytes / 2**30, meta["nbytes"] / 2**30)
             slot.layout, slot.views = expected, map_views(slot.buffer, expected)
             slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
             self._expected_checksum[slot.index] = meta["checksum"]
