@@ -107,14 +107,21 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   # snapshots, a third and two thirds into the run. Every step logged (the strict goodput needs each step's time).
   local last=$(( NGPU - 1 )) steps="${GOODPUT_STEPS:-1200}"
   local exc=$(( steps / 3 / 10 * 10 + 5 )) kill=$(( 2 * steps / 3 / 10 * 10 + 5 ))
+  # The host and the GPU sampled every second through the run: a window of slower steps is matched against the SM
+  # clock, power, temperature and the clock-event reasons (throttling), and against the host's CPU and I/O.
+  local q=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
+  nvidia-smi --query-gpu="$q" --format=csv,noheader >/dev/null 2>&1 || q=${q/clocks_event_reasons/clocks_throttle_reasons}
+  nvidia-smi --query-gpu="$q" --format=csv -l 1 >"$OUT/goodput-gpu.csv" 2>&1 & local smi=$!
+  vmstat -t 1 >"$OUT/goodput-vmstat.log" 2>&1 & local vm=$!
   faulty "goodput" "$NGPU" --train.steps="$steps" --checkpoint.interval=10 \
     --checkpoint.persist_every=20 --resiliency.faults="$last:$exc:exception,0:$kill:sigkill"
+  kill "$smi" "$vm" 2>/dev/null
   python3 bench/figures.py goodput "$OUT/goodput" --interval 10 | fig  # strict goodput, start-up, final save
   python3 bench/figures.py recovery "$OUT/goodput" | fig
   python3 bench/figures.py starts "$OUT/goodput" | fig
   grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed|skipped|behind|caught up|start phases|standby|garbage collector|in-process restart:" \
     "$OUT/goodput.log" | cut -c1-240 > "$OUT/goodput-events.log"
-  tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log  # the whole run directory, as one file
+  tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log goodput-gpu.csv goodput-vmstat.log  # the whole run directory, as one file
   rm -rf "$CKPT_ROOT/goodput"
 }
 
