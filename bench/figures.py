@@ -8,7 +8,8 @@ seconds from the fault to the first productive step, steps redone, and where tho
 ``python bench/figures.py goodput RUN_DIR --interval N``: goodput counted strictly from ``metrics.jsonl`` (a run logged
 with ``train.log_every=1``): the fault-free step time (median of every logged step) x the run's steps / the wall time
 from the first step's start to the last step's end; beside it the ledger's figure, start-up and the final save apart,
-and the cost of a memory checkpoint (the step after each snapshot step, where its staging waits, against the median).
+the cost of a memory checkpoint (the step after each snapshot step, where its staging waits, against the median),
+and where the loss went (``lost_s``: recoveries, redone steps, step 1, the steps after restarts and snapshots).
 ``python bench/figures.py starts RUN_DIR [--rank 0]``: every start of that rank (the first, each in-process and
 in-job restart) with its phases, from the ``start phases`` lines of ``RUN_DIR/logs/trainer-rank<R>.log``.
 ``python bench/figures.py table THROUGHPUT_JSONL``: the markdown tables of ``bench/throughput_suite.sh``: the project
@@ -144,6 +145,7 @@ def goodput(run_dir: Path, interval: int) -> None:
         window = range(begin, begin + interval)
         if all(s in by_step for s in window) and not _near_restart(begin - 1, restarts, interval):
             excess.append(sum(by_step[s] for s in window) - interval * fault_free)
+    lost = _losses(steps, by_step, restarts, fault_free, final, interval)
     summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
     ledger = [r for r in read(run_dir / "recovery.jsonl") if r.get("event") == "summary"]
     log = run_dir / "logs" / "trainer-rank0.log"
@@ -159,7 +161,30 @@ def goodput(run_dir: Path, interval: int) -> None:
           "snapshot_cost_s": round(statistics.mean(excess), 4) if excess else None,
           "snapshot_cost_median_s": round(statistics.median(excess), 4) if excess else None,
           "snapshot_cost_over_interval": round(statistics.mean(excess) / (fault_free * interval), 4)
-          if excess else None})
+          if excess else None, "lost_s": lost})
+
+
+def _losses(steps: list[dict], by_step: dict[int, float], restarts: set[int], fault_free: float, final: int,
+            interval: int) -> dict[str, float]:
+    """Where the strict goodput's loss (wall - fault-free step x steps) went; the parts sum to ``total``:
+    ``recoveries`` the time between a step's end and the next logged step's start (a restart before its first step);
+    ``redone`` every step record of a step run again later; then each kept step's time over the fault-free step:
+    ``step_1``, ``restart_first_steps`` (the two steps after each restart), ``snapshots`` (steps S..S+3 of a snapshot
+    at step S) and ``other``."""
+    parts = dict.fromkeys(("recoveries", "redone", "step_1", "restart_first_steps", "snapshots", "other"), 0.0)
+    last_seen = {r["step"]: i for i, r in enumerate(steps)}
+    for i, r in enumerate(steps[1:], 1):  # a gap before a step that goes back is a recovery; others (the host's
+        # clock against the step's device-timed length: a few ms either way) count as "other"
+        gap = r["time"] - r["step_time_s"] - steps[i - 1]["time"]
+        parts["recoveries" if r["step"] <= steps[i - 1]["step"] else "other"] += gap
+    parts["redone"] = sum(r["step_time_s"] for i, r in enumerate(steps) if last_seen[r["step"]] != i)
+    for step, seconds in by_step.items():
+        key = ("step_1" if step == 1 else "restart_first_steps" if any(0 < step - r <= 2 for r in restarts if r)
+               else "snapshots" if interval and step % interval <= 3 else "other")
+        parts[key] += seconds - fault_free
+    wall = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_time_s"])
+    parts["total"] = wall - fault_free * final  # the run's last record is its last step (the loop ends there)
+    return {k: round(v, 2) for k, v in parts.items()}
 
 
 PLAIN_FROM = 4
