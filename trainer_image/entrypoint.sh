@@ -176,6 +176,10 @@ export PYTHONUNBUFFERED=1
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
 # keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
+# NVRx 0.4.1 depends on the `pynvml` shim, which warns at every `import torch` (ft_launcher's included); the trainer
+# silences it for itself and its children (trainer/__init__.py), this for the launcher too.
+pynvml_warning="ignore:The pynvml package is deprecated:FutureWarning"
+[[ ",${PYTHONWARNINGS:-}," == *",$pynvml_warning,"* ]] || export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}$pynvml_warning"
 # Warm standby workers (trainer/standby.py), started with the environment the workers inherit, so what they
 # imported matches; a worker whose import-time environment differs runs itself (one line says why).
 if (( standby )) && mkdir "$job_tmp/standby"; then

@@ -17,6 +17,7 @@ def test_spent_restart_budget_exits_retryable(tmp_path, tiny_dataset):
                             env={"FT_MAX_RESTARTS": "0"})
     assert rc == ExitCode.RESTART_BUDGET_EXHAUSTED, out[-4000:]
     assert "ft_launcher gave up" in out
+    assert "pynvml" not in out, "no deprecation warning from the launcher, the ranks or their checkpoint writers"
 
 
 def test_bad_config_exits_permanent_through_the_launcher(tmp_path, tiny_dataset):

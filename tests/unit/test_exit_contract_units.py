@@ -193,6 +193,7 @@ def test_data_error_at_start_is_one_line_and_the_traceback_is_in_the_log(tmp_pat
     assert result.returncode == ExitCode.DATA_ERROR, result.stderr
     lines = _error_lines(result.stderr)
     assert len(lines) == 1 and "exit 3 (DATA_ERROR): ShardError:" in lines[0] and "re-run data prep" in lines[0]
+    assert result.stderr.splitlines() == lines, "nothing else on stderr (pynvml's deprecation warning included)"
     assert "Traceback" not in result.stderr + result.stdout
     log_text = (run_dir / "logs" / "trainer-rank0.log").read_text()
     assert "exit 3 (DATA_ERROR)" in log_text and "Traceback (most recent call last)" in log_text
