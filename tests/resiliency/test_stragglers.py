@@ -88,8 +88,12 @@ def test_a_rank_slowed_by_half_is_named_within_patience_reports_and_the_fast_ran
 
 def test_evict_ends_the_job_unhealthy_naming_the_host_once_and_a_relaunch_resumes_bit_identical(
         tmp_path, tiny_dataset, slowed_run):
-    # slowed from step 6 as in slowed_run: the reports of steps 10 and 15 name it, the second one evicts
-    evict = ["--resiliency.straggler=evict", "--resiliency.straggler_patience=2", "--resiliency.faults=1:6:slow:0.5"]
+    # Slowed from step 6 as in slowed_run, but twice as slow (slow:1.0, a score of ~0.5): the reports of steps 10
+    # and 15 must both name it, the second one evicting. At slow:0.5 (~0.67, against the 0.75 threshold) a 5-step
+    # window in which rank 0's optimizer step also ran slow (CI, 983b5dc: 7.5 against its usual 6.3 ms, the first
+    # persisted checkpoint's writer beside it) scored rank 1 at 0.77, and the eviction came at step 25. Sleeping
+    # changes no arithmetic: slowed_run's weights stay the reference.
+    evict = ["--resiliency.straggler=evict", "--resiliency.straggler_patience=2", "--resiliency.faults=1:6:slow:1.0"]
     rc, out, _ = entrypoint(tmp_path, tiny_dataset, *evict)
     assert rc == ExitCode.UNHEALTHY_NODE, out[-4000:]
     exits = [line for line in out.splitlines() if "exit 201 (UNHEALTHY_NODE)" in line]
