@@ -121,7 +121,8 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   python3 bench/figures.py starts "$OUT/goodput" | fig
   grep -hE "injecting fault|term_ex|restored step|ft_launcher|Worker group|rendezvous|checkpoint committed|skipped|behind|caught up|start phases|standby|garbage collector|in-process restart:" \
     "$OUT/goodput.log" | cut -c1-240 > "$OUT/goodput-events.log"
-  tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log goodput-gpu.csv goodput-vmstat.log  # the whole run directory, as one file
+  # the whole run directory and the samples, as one file
+  tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log goodput-gpu.csv goodput-vmstat.log
   rm -rf "$CKPT_ROOT/goodput"
 }
 

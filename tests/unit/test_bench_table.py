@@ -46,7 +46,6 @@ def test_table_pairs_the_frameworks_and_lists_the_leave_one_out_rows():
     assert "62,000 | 60,000 | **1.033** missed" in row and "47.00 / 50.70 GiB | met" in row
 
 
-
 def test_goodput_loss_parts_sum_to_the_loss_and_name_each_cause():
     """A synthetic run (fault-free step 1 s, snapshots every 10): step 1 slow by 2 s, step 11 by 0.5 s, a fault
     after step 14 restores step 10 after a 3 s recovery (11-14 redone: 4 s), the redone step 11 slow by 0.25 s."""
