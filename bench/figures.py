@@ -131,7 +131,7 @@ def goodput(run_dir: Path, interval: int) -> None:
     # step S (its host part: train.py takes it before the step's line) and the next few (its copies: the
     # device-to-device copy in S+1, the drain to host memory in parts from S+1's start), so the plain steps
     # are those PLAIN_FROM or more steps after one. Without snapshots (interval 0) every step counts.
-    plain = [t for s, t in by_step.items() if not interval or (s % interval >= min(PLAIN_FROM, interval - 1)
+    plain = [t for s, t in by_step.items() if not interval or (not _after_snapshot(s, interval)
                                                                 and not _near_restart(s, restarts, interval))]
     fault_free = statistics.median(plain or list(by_step.values()))
     first = steps[0]
@@ -145,7 +145,7 @@ def goodput(run_dir: Path, interval: int) -> None:
         window = range(begin, begin + interval)
         if all(s in by_step for s in window) and not _near_restart(begin - 1, restarts, interval):
             excess.append(sum(by_step[s] for s in window) - interval * fault_free)
-    lost = _losses(steps, by_step, restarts, fault_free, final, interval)
+    lost = _losses(steps, by_step, restarts, fault_free, wall - fault_free * final, interval)
     summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
     ledger = [r for r in read(run_dir / "recovery.jsonl") if r.get("event") == "summary"]
     log = run_dir / "logs" / "trainer-rank0.log"
@@ -164,13 +164,13 @@ def goodput(run_dir: Path, interval: int) -> None:
           if excess else None, "lost_s": lost})
 
 
-def _losses(steps: list[dict], by_step: dict[int, float], restarts: set[int], fault_free: float, final: int,
+def _losses(steps: list[dict], by_step: dict[int, float], restarts: set[int], fault_free: float, total: float,
             interval: int) -> dict[str, float]:
-    """Where the strict goodput's loss (wall - fault-free step x steps) went; the parts sum to ``total``:
+    """Where the strict goodput's loss ``total`` (wall - fault-free step x steps) went; the parts sum to it:
     ``recoveries`` the time between a step's end and the next logged step's start (a restart before its first step);
     ``redone`` every step record of a step run again later; then each kept step's time over the fault-free step:
-    ``step_1``, ``restart_first_steps`` (the two steps after each restart), ``snapshots`` (steps S..S+3 of a snapshot
-    at step S) and ``other``."""
+    ``step_1``, ``restart_first_steps`` (the two steps after each restart), ``snapshots`` (the steps a snapshot at
+    step S costs: ``_after_snapshot``) and ``other``."""
     parts = dict.fromkeys(("recoveries", "redone", "step_1", "restart_first_steps", "snapshots", "other"), 0.0)
     last_seen = {r["step"]: i for i, r in enumerate(steps)}
     for i, r in enumerate(steps[1:], 1):  # a gap before a step that goes back is a recovery; others (the host's
@@ -180,15 +180,18 @@ def _losses(steps: list[dict], by_step: dict[int, float], restarts: set[int], fa
     parts["redone"] = sum(r["step_time_s"] for i, r in enumerate(steps) if last_seen[r["step"]] != i)
     for step, seconds in by_step.items():
         key = ("step_1" if step == 1 else "restart_first_steps" if any(0 < step - r <= 2 for r in restarts if r)
-               else "snapshots" if interval and step % interval <= 3 else "other")
+               else "snapshots" if _after_snapshot(step, interval) else "other")
         parts[key] += seconds - fault_free
-    wall = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_time_s"])
-    parts["total"] = wall - fault_free * final  # the run's last record is its last step (the loop ends there)
-    return {k: round(v, 2) for k, v in parts.items()}
+    return {k: round(v, 2) for k, v in (parts | {"total": total}).items()}
 
 
 PLAIN_FROM = 4
 """Steps this far or further after a snapshot (and from a restart) count as fault-free steps."""
+
+
+def _after_snapshot(step: int, interval: int) -> bool:
+    """Whether ``step`` is one a snapshot costs: S .. S + PLAIN_FROM - 1 for a snapshot at step S."""
+    return bool(interval) and step % interval < min(PLAIN_FROM, interval - 1)
 
 
 def _near_restart(step: int, restarts: set[int], interval: int) -> bool:
