@@ -52,10 +52,11 @@ def test_goodput_loss_parts_sum_to_the_loss_and_name_each_cause():
     step 23 (the last a snapshot at 20 costs) by 0.1 s, step 24 (a plain one) by 0.05 s."""
     from figures import _losses
 
+    first = [(1, 3.0)] + [(s, 1.0) for s in range(2, 11)] + [(11, 1.5), (12, 1.0), (13, 1.0), (14, 1.0)]
+    again = [(11, 1.25)] + [(s, {23: 1.1, 24: 1.05}.get(s, 1.0)) for s in range(12, 31)]
     steps, t = [], 100.0
-    for step, seconds, gap in [(1, 3.0, 0)] + [(s, 1.0, 0) for s in range(2, 11)] + [(11, 1.5, 0)] + \
-            [(s, 1.0, 0) for s in (12, 13, 14)] + [(11, 1.25, 3.0)] + [(s, {23: 1.1, 24: 1.05}.get(s, 1.0), 0) for s in range(12, 31)]:
-        t += gap + seconds
+    for i, (step, seconds) in enumerate(first + again):
+        t += seconds + (3.0 if i == len(first) else 0.0)  # the recovery before the redone step 11
         steps.append({"step": step, "step_time_s": seconds, "time": t})
     by_step = {r["step"]: r["step_time_s"] for r in steps}
     wall = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_time_s"])
