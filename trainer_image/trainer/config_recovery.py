@@ -191,7 +191,9 @@ class ResiliencyConfig:
     (discarded) warm the CUDA caching allocator, cuBLAS and the kernels its first real step would otherwise wait
     for. It runs inside the recovery time the ledger measures; the RNG and data position are restored after it.
     Skipped in a standby's worker whose snapshot slots the standby page-locked ahead (``standby_premap``): its
-    copy is short and its kernels are loaded (H200, ``1b``, same call: in-job 2.32 s without, 2.85 s with)."""
+    copy is short and its kernels are loaded. H200, ``1b``: the first step comes 0.5 s sooner (in-job 2.32 s
+    without, 2.85 s with, same call), but the second step pays 0.27-0.55 s of what the warm-up did. Three goodput
+    runs without it lost 0.36-0.43 s less per in-job restart than one with it, in another call (BENCHMARKS.md)."""
     standby_prewarm: bool = True
     """GPU, with warm standby workers (``TRAINER_STANDBY`` in ``entrypoint.sh``): a standby trains a small copy of
     this model (one block, vocabulary <= 4096, 512 tokens) for two steps and frees it before it is needed, so the

@@ -228,8 +228,7 @@ def _warmup(res: Resources, model: nn.Module) -> Any:
             return
         # FT: a standby's worker whose slots the standby page-locked ahead: the copy is short, the kernels loaded
         if startup.PREWARMED and sum(premap.TAKEN):
-            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot "
-                     "(in-job restore on H200, 1b: 2.32 s without it, 2.85 s with)")
+            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot")
             return
         started = time.perf_counter()
         warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
