@@ -175,7 +175,9 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     unit (gathered for the whole forward and backward, reduced once), never to a unit resharded after its forward.
     If FSDP2 runs with one rank (``train.single_rank=fsdp``, or activation checkpointing), by default
     (``train.reshard_after_forward=auto``) nothing is resharded after the forward: the bf16 copies are kept for the
-    backward rather than cast again.
+    backward rather than cast again. ``OneRank`` does reshard by default (``auto`` and ``always``): every block but
+    the last frees its compute-dtype copies after its forward and casts them again for its backward (memory at the
+    step's peak for one more cast; ``never`` keeps them).
     """
     policy = mixed_precision(cfg, device)
     direct = dist.get_world_size() == 1 and (
@@ -196,7 +198,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
     model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
     if direct:
-        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip)
+        blocks = list(layers)[:-1] if cfg.reshard_after_forward != "never" else []  # the last one: as above
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks)
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
         fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
