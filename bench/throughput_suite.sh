@@ -12,10 +12,13 @@
 #   loo       leave-one-out, one process per mode (bench/trainer_run.py --variants, recovery layers on, no
 #             ft_launcher), LOO_STOP (25) steps per variant: loo-compiled (every change on; then 3 steps profiled:
 #             its top kernels in the JSON line, profile.txt in runs.tar.gz) then each change off, and the recovery
-#             layers off, and the straggler detector (issue 22) off / reporting every 5 steps instead of 100;
-#             loo-eager likewise (RoPE's kernel is the same in eager mode: no row)
+#             layers off, and the straggler detector (issue 22) off / reporting every 5 steps instead of 100, and
+#             the blocks' bf16 copies kept from the forward to the backward (keep-block-copies: one rank's
+#             train.reshard_after_forward=never); loo-eager likewise (RoPE's kernel is the same in eager mode: no
+#             row). torchrun without entrypoint.sh: the default allocator unless PYTORCH_ALLOC_CONF is set
 #   alloc     ours-compiled and ours-eager again with PYTORCH_ALLOC_CONF=$TITAN_ALLOC_CONF (torchtitan's
-#             launcher exports expandable segments; entrypoint.sh sets none): a row for issue 21's memory goal
+#             launcher exports expandable segments; so does entrypoint.sh now, when neither PYTORCH_ALLOC_CONF nor
+#             PYTORCH_CUDA_ALLOC_CONF is set: with the default TITAN_ALLOC_CONF these rows repeat the headline's)
 #   before    the trainer tree in $BEFORE_TREE, compiled and eager (20 steps)
 #   table     $OUT/table.md from $OUT/throughput.jsonl (bench/figures.py table)
 # Every figure: median over the steps after 10 of each step's time on the GPU's timeline (CUDA events at step
@@ -29,7 +32,7 @@
 # Environment: NPROC (GPUs, default all), CONFIG (1b), STEPS (40), LOO_STOP (25), DATA (token shards; built when
 # missing), RUNS (scratch, /tmp/tput-runs), DEADLINE_S, TITAN_ALLOC_CONF (the allocator settings torchtitan's runs
 # get: by default those its launcher, run_train.sh, exports; each side runs as its own launcher runs it, and the
-# trainer's entrypoint.sh sets none).
+# trainer's entrypoint.sh exports the same unless one is set; an empty PYTORCH_ALLOC_CONF counts as unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/tput}"
@@ -138,17 +141,19 @@ part_alloc() {  # the headline's two trainer rows again with the allocator setti
 
 part_loo() {
   # Each variant leaves one change of issue 21 out; the label before ":" names the group's every-change-on row.
-  ours loo-compiled "$PWD" 150 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
+  ours loo-compiled "$PWD" 170 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
     {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-compiled:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-compiled:real-rope", "set": ["--train.rope_kernel=real"]},
     {"label": "loo-compiled:layers-off", "layers": "off"},
     {"label": "loo-compiled:straggler-off", "set": ["--resiliency.straggler=off"]},
-    {"label": "loo-compiled:straggler-every-5", "set": ["--resiliency.straggler_report_every=5"]}
+    {"label": "loo-compiled:straggler-every-5", "set": ["--resiliency.straggler_report_every=5"]},
+    {"label": "loo-compiled:keep-block-copies", "set": ["--train.reshard_after_forward=never"]}
   ]' -- --train.compile=true
-  ours loo-eager "$PWD" 55 --stop-at "$LOO_STOP" --variants '[
+  ours loo-eager "$PWD" 75 --stop-at "$LOO_STOP" --variants '[
     {"label": "loo-eager:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
-    {"label": "loo-eager:plain-loss", "set": ["--train.chunked_loss=false"]}
+    {"label": "loo-eager:plain-loss", "set": ["--train.chunked_loss=false"]},
+    {"label": "loo-eager:keep-block-copies", "set": ["--train.reshard_after_forward=never"]}
   ]' -- --train.compile=false
 }
 

@@ -27,6 +27,8 @@
 #                                       that ft_launcher restarts hands its rank over to it, which skips most of
 #                                       the restart's start-up. Costs one Python process and one CUDA context per
 #                                       local rank. Default True only where an NVIDIA driver is present
+#   PYTORCH_ALLOC_CONF                  the CUDA caching allocator's settings; default expandable_segments:True
+#                                       when neither it nor PYTORCH_CUDA_ALLOC_CONF is set (empty counts as unset)
 #
 # Exit codes (trainer/exitcodes.py): ft_launcher itself exits 1 for every failure, so this script does not
 # `exec` it: it runs it as a child (forwarding SIGTERM/SIGINT, so preemption reaches the launcher, which
@@ -176,6 +178,16 @@ export PYTHONUNBUFFERED=1
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
 # keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
+# Expandable segments: the CUDA caching allocator maps memory into segments that grow on demand instead of
+# reserving fixed-size ones, so less reserved memory sits unused between blocks. torchtitan's launcher (run_train.sh) exports the same; on one H200 it cut the
+# compiled 1b run's peak reserved memory by 3.86 GiB (51.68 -> 47.82 GiB) at the same speed per step (within 0.4 %;
+# BENCHMARKS.md, session 8, issue 21). A user's setting wins (expandable_segments:False turns it off). Nothing in the
+# trainer shares CUDA tensors between processes (CUDA IPC, which expandable segments may not support): the
+# checkpoint writer gets host memory, the standby handoff no tensors. Exported before the standby starts, which
+# must see the workers' import-time environment (trainer/standby.py).
+if [[ -z "${PYTORCH_ALLOC_CONF:-}" && -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+  export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
 # NVRx 0.4.1 depends on the `pynvml` shim, which warns at every `import torch` (ft_launcher's included); the trainer
 # silences it for itself and its children (trainer/__init__.py), this for the launcher too.
 pynvml_warning="ignore:The pynvml package is deprecated:FutureWarning"
