@@ -33,9 +33,10 @@ $(STAMP): pyproject.toml Makefile
 # runs are made once; the longest first, tests/conftest.py); then the `serial` ones alone, whose timing margins
 # need the cores to themselves. Every exit code counts. pytest exits 5 when it collected nothing: a failure, so
 # CI never passes vacuously (with PYTEST_ARGS naming tests, some parts may collect none).
-# One more worker than CPUs: a fifth of the single-process tests' time is waiting (stub API servers, checkpoint
-# writer processes, polls), which a spare worker fills (2 cores: 189 s at 71 % CPU on 2 workers, 169 s on 3).
-TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 1)))
+# Two more workers than CPUs: much of the single-process tests' time is waiting (stub API servers and the launcher's
+# polls against them, checkpoint writer processes), which spare workers fill (2 cores: 98 s on 3 workers, 85-93 s
+# on 4, 101 s on 6), the longest tests first (tests/conftest.py).
+TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 2)))
 MULTI_WORKERS ?= 2
 # Bytecode is written even where the environment sets PYTHONDONTWRITEBYTECODE: every collecting pytest process
 # and every launched trainer, writer and pipeline step would otherwise compile the project's modules (and pytest

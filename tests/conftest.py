@@ -18,9 +18,19 @@ LONGEST_FIRST = (
 )
 
 
+# The single-process tests run on xdist workers in `--dist load`, which hands them out in this order: the longest
+# (Inductor's C++ compiles on CPU, the corpus bound, the stub-cluster sweeps behind the RBAC check) go first, so
+# none of them starts last and leaves the other workers idle.
+LONGEST_SINGLE_FIRST = (
+    "tests/unit/test_kernels.py", "tests/unit/test_onerank_reshard.py", "tests/unit/test_onerank.py",
+    "tests/unit/test_corpus.py", "tests/deploy/test_rbac.py", "tests/checkpoint/test_manager.py",
+    "tests/launcher/test_backends.py", "tests/launcher/test_launcher.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST)))  # stable: else as found
+    rank = {path: i for i, path in enumerate((*LONGEST_FIRST, *LONGEST_SINGLE_FIRST))}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: else as found
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

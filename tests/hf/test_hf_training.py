@@ -28,8 +28,12 @@ _READ = re.compile(r"base model weights from (\S+): (\d+) tensors, "
 
 
 def _train(run_dir, source, dataset, *extra, nproc=2):
+    # Synchronous saves unless a test asks for the background writer: what these tests check (the loads, the
+    # export, transformers' agreement) is in the checkpoint's bytes, which are the same either way
+    # (tests/checkpoint/test_resume.py::test_async_save_equals_sync_save), and a writer process per rank costs
+    # ~1.3 s of CPU to start (it imports torch) on the suite's 2 cores.
     args = ["--config", "tiny", f"--model.from_hf={source}", f"--data.path={dataset}", f"--train.run_dir={run_dir}",
-            "--checkpoint.interval=0", f"--checkpoint.node_local_dir={run_dir}/node", f"--data.seq_len={SEQ}",
+            "--checkpoint.interval=0", "--checkpoint.async_save=false", f"--checkpoint.node_local_dir={run_dir}/node", f"--data.seq_len={SEQ}",
             f"--train.batch_size={BATCH}", *extra]
     result = torchrun(args, nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -160,9 +164,10 @@ def test_resume_from_hf_start_is_bit_exact(tmp_path, tiny_dataset):
     bit-identical checkpoints (the resumed run restores its checkpoint, not the base weights)."""
     base = make_llama(tmp_path / "base", "tied")
     constant = ("--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0", "--optim.lr=3e-3")
-    straight = _train(tmp_path / "straight", base, tiny_dataset, "--train.steps=4", "--checkpoint.interval=2", *constant)
-    split = _train(tmp_path / "split", base, tiny_dataset, "--train.steps=2", "--checkpoint.async_save=false", *constant)
-    _train(split, base, tiny_dataset, "--train.steps=4", "--checkpoint.async_save=false", *constant)
+    straight = _train(tmp_path / "straight", base, tiny_dataset, "--train.steps=4", "--checkpoint.interval=2",
+                      "--checkpoint.async_save=true", *constant)  # background writes, against the split's inline ones
+    split = _train(tmp_path / "split", base, tiny_dataset, "--train.steps=2", *constant)
+    _train(split, base, tiny_dataset, "--train.steps=4", *constant)
     assert len(_reads(split, 0)) == 1  # only the first run read the base weights
 
     def tensors(run):
