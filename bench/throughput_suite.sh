@@ -144,7 +144,7 @@ part_loo() {
   ours loo-compiled "$PWD" 170 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
     {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-compiled:plain-loss", "set": ["--train.chunked_loss=false"]},
-    {"label": "loo-compiled:real-rope", "set": ["--train.rope_kernel=real"]},
+    {"label": "loo-compiled:complex-rope", "set": ["--train.rope_kernel=complex"]},
     {"label": "loo-compiled:layers-off", "layers": "off"},
     {"label": "loo-compiled:straggler-off", "set": ["--resiliency.straggler=off"]},
     {"label": "loo-compiled:straggler-every-5", "set": ["--resiliency.straggler_report_every=5"]},

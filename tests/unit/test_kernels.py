@@ -98,3 +98,13 @@ def test_compiled_chunk_kernels_match_the_eager_ones(small_chunks):
     torch.testing.assert_close(value, eager_value, rtol=1e-6, atol=0)
     step = eager_grad.float().abs() * 2**-7 + 1e-12
     assert ((grad.float() - eager_grad.float()).abs() <= step).all()
+
+
+def test_auto_rope_is_the_real_kernel_compiled_and_the_complex_one_in_eager_mode():
+    from trainer.config import TrainConfig
+    from trainer.parallel import rope_kernel
+
+    assert rope_kernel(TrainConfig(compile=True)) == "real"
+    assert rope_kernel(TrainConfig(compile=False)) == "complex"
+    assert rope_kernel(TrainConfig(compile=True, rope_kernel="complex")) == "complex"
+    assert rope_kernel(TrainConfig(compile=False, rope_kernel="real")) == "real"

@@ -202,8 +202,10 @@ class TrainConfig:
     rope_kernel: str = "auto"
     """How RoPE rotates channel pairs, in fp32 either way: ``complex`` (one complex multiplication: one kernel in
     eager mode; ``torch.compile`` runs it outside its graphs), ``real`` (four real products that Inductor fuses with
-    the projections), ``auto``: ``complex``. Measured on one H200 (compiled ``1b``, BENCHMARKS.md): ``real`` was
-    0.2 % faster per step (within noise) and reserved 3.9 GiB more GPU memory (51.7 vs 47.8 GiB)."""
+    the projections), ``auto``: ``real`` compiled, ``complex`` in eager mode. Measured on one H200 (compiled ``1b``,
+    BENCHMARKS.md), ``real`` against ``complex``: +0.2 %, +1.1 % and +1.3 % per step in three device calls, at the
+    same peak allocated memory (the 3.9 GiB more *reserved* memory seen once was the caching allocator's
+    fragmentation, which ``entrypoint.sh``'s expandable segments remove)."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1

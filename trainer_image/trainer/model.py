@@ -67,9 +67,10 @@ class RopeScaling:
 def apply_rope(x: torch.Tensor, tables: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     """Rotate pairs of channels of ``x`` ``[batch, seq, heads, head_dim]`` by position-dependent angles, in fp32.
 
-    ``kernel`` (``train.rope_kernel``): ``complex`` (and ``auto``): one complex multiplication (a single kernel in
-    eager mode; compiled, it runs outside Inductor's graphs); ``real``: ``(a cos - b sin, a sin + b cos)``, which
-    Inductor fuses with its neighbours (no faster on H200, and 3.9 GiB more reserved memory: see the config key)."""
+    ``kernel`` (``train.rope_kernel``, resolved by ``parallel.apply_fsdp``): ``complex`` (and ``auto``): one complex
+    multiplication (a single kernel in eager mode; compiled, it runs outside Inductor's graphs); ``real``:
+    ``(a cos - b sin, a sin + b cos)``, which Inductor fuses with its neighbours (the compiled default: see the config
+    key)."""
     seq = x.shape[1]
     if kernel == "real":
         cos, sin = (tables[:seq, :, i].float().view(1, seq, 1, -1) for i in (0, 1))

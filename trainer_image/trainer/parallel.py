@@ -163,6 +163,14 @@ def mixed_precision(cfg: TrainConfig, device: torch.device) -> MixedPrecisionPol
     return MixedPrecisionPolicy()
 
 
+def rope_kernel(cfg: TrainConfig) -> str:
+    """``train.rope_kernel`` resolved: ``auto`` is ``real`` when compiled (Inductor fuses it with the projections),
+    ``complex`` in eager mode (one kernel)."""
+    if cfg.rope_kernel != "auto":
+        return cfg.rope_kernel
+    return "real" if cfg.compile else "complex"
+
+
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
     """The execution choices of ``[train]``: the RoPE kernel and the loss, activation checkpointing and
     ``torch.compile`` per block (optional), then FSDP2 units: each block, the embedding, [final norm, output],
@@ -185,7 +193,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     reshard = {"auto": dist.get_world_size() > 1, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
-        block.attention.rope_kernel = cfg.rope_kernel
+        block.attention.rope_kernel = rope_kernel(cfg)
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
