@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml Makefile
 # need the cores to themselves. Every exit code counts. pytest exits 5 when it collected nothing: a failure, so
 # CI never passes vacuously (with PYTEST_ARGS naming tests, some parts may collect none).
 # Two more workers than CPUs: much of the single-process tests' time is waiting (stub API servers and the launcher's
-# polls against them, checkpoint writer processes), which spare workers fill (2 cores: 98 s on 3 workers, 85-93 s
-# on 4, 101 s on 6), the longest tests first (tests/conftest.py).
+# polls against them, checkpoint writer processes), which spare workers fill, the longest tests first
+# (tests/conftest.py). On 2 cores, the part alone: 98 s on 3 workers, 85-93 s on 4, 89 s on 5, 101 s on 6; inside
+# `make test` 106-113 s on 4 against 111-114 s on 3 (with 7 tests fewer): within this machine's run-to-run noise.
 TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 2)))
 MULTI_WORKERS ?= 2
 # Bytecode is written even where the environment sets PYTHONDONTWRITEBYTECODE: every collecting pytest process
