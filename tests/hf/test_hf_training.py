@@ -33,8 +33,8 @@ def _train(run_dir, source, dataset, *extra, nproc=2):
     # (tests/checkpoint/test_resume.py::test_async_save_equals_sync_save), and a writer process per rank costs
     # ~1.3 s of CPU to start (it imports torch) on the suite's 2 cores.
     args = ["--config", "tiny", f"--model.from_hf={source}", f"--data.path={dataset}", f"--train.run_dir={run_dir}",
-            "--checkpoint.interval=0", "--checkpoint.async_save=false", f"--checkpoint.node_local_dir={run_dir}/node", f"--data.seq_len={SEQ}",
-            f"--train.batch_size={BATCH}", *extra]
+            "--checkpoint.interval=0", "--checkpoint.async_save=false", f"--checkpoint.node_local_dir={run_dir}/node",
+            f"--data.seq_len={SEQ}", f"--train.batch_size={BATCH}", *extra]
     result = torchrun(args, nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir

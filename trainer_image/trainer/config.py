@@ -204,8 +204,8 @@ class TrainConfig:
     eager mode; ``torch.compile`` runs it outside its graphs), ``real`` (four real products that Inductor fuses with
     the projections), ``auto``: ``real`` compiled, ``complex`` in eager mode. Measured on one H200 (compiled ``1b``,
     BENCHMARKS.md), ``real`` against ``complex``: +0.2 %, +1.1 % and +1.3 % per step in three device calls, at the
-    same peak allocated memory (the 3.9 GiB more *reserved* memory seen once was the caching allocator's
-    fragmentation, which ``entrypoint.sh``'s expandable segments remove)."""
+    same peak allocated memory. Its peak *reserved* memory was 3.9 GiB higher once, equal once and 3.8 GiB lower once
+    under the default allocator: fragmentation, which ``entrypoint.sh``'s expandable segments remove."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1

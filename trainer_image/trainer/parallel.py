@@ -190,7 +190,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     policy = mixed_precision(cfg, device)
     direct = dist.get_world_size() == 1 and (
         cfg.single_rank == "direct" or (cfg.single_rank == "auto" and not cfg.activation_checkpointing))
-    reshard = {"auto": dist.get_world_size() > 1, "always": True, "never": False}[cfg.reshard_after_forward]
+    # auto: FSDP2 with more ranks (with one, its gather again is a copy that costs time); OneRank always (a cast)
+    reshard = {"auto": dist.get_world_size() > 1 or direct, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
     for idx, block in enumerate(layers):
         block.attention.rope_kernel = rope_kernel(cfg)
@@ -206,7 +207,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
     model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
     if direct:
-        blocks = list(layers)[:-1] if cfg.reshard_after_forward != "never" else []  # the last one: as above
+        blocks = list(layers)[:-1] if reshard else []  # the last one: as above
         return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks)
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
