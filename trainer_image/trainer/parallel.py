@@ -66,11 +66,16 @@ def init_process_group(
     device: torch.device, env: DistEnv, timeout_s: float, store: dist.Store | None = None
 ) -> None:
     """Initialise the default process group. ``store`` lets the in-process restart layer pass a fresh
-    ``PrefixStore`` each iteration; without one the launcher's env rendezvous is used."""
+    ``PrefixStore`` each iteration; without one the launcher's env rendezvous is used.
+
+    NCCL with more than one rank: the communicator is made here (``device_id``), not by the first collective. With
+    one rank the trainer runs no collective on this group (``OneRank``, no loss or preemption reduction), so no
+    communicator is made at all: the in-process restart's abort then has none to tear down (NVRx's abort of a
+    one-rank communicator took 0.5-1.0 s of each in-process restart on an H200)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {"backend": backend_for(device), "timeout": timeout}
     before = _socket_inodes() if device.type != "cuda" else {}
-    if device.type == "cuda":
+    if device.type == "cuda" and env.world_size > 1:  # one rank: no collective, so no NCCL communicator (below)
         kwargs["device_id"] = device
     if store is not None:
         dist.init_process_group(store=store, rank=env.rank, world_size=env.world_size, **kwargs)
@@ -208,7 +213,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
     if direct:
         blocks = list(layers)[:-1] if reshard else []  # the last one: as above
-        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks)
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks,
+                             fused_cast=cfg.compile and device.type == "cuda")
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
         fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]

@@ -83,8 +83,7 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
     exists already; gone after. Also what the GPU benches use to build the model outside a launcher."""
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group(parallel.backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(parallel.backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
