@@ -170,29 +170,3 @@ def test_compiled_blocks_take_the_casts_as_inputs_without_recompiling(pg):
     assert losses != eager, "compiled code ran"
     assert losses == pytest.approx(eager, rel=2e-2), "the compiled model computes what the eager one does"
 
-
-def test_the_fused_gradient_cast_is_the_reference_bit_for_bit(pg):
-    """``scaled_fp32(compiled=True)`` (one rank on a GPU with ``train.compile``): one generated kernel for every
-    length, the values of ``torch.mul(bf16, fp32)``; and a run that uses it, bit for bit the run that does not."""
-    from torch._dynamo.utils import counters
-
-    from trainer.onerank import scaled_fp32
-
-    torch._dynamo.reset()
-    graphs = counters["stats"]["unique_graphs"]  # counters outlive reset()
-    coef = torch.tensor([0.7310586], dtype=torch.float32)
-    for shape in [(1000, 3), (4097,), (64, 32), (5,)]:
-        grad = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(torch.bfloat16)
-        fused, reference = scaled_fp32(grad, coef, compiled=True), scaled_fp32(grad, coef)
-        assert fused.dtype == torch.float32 and fused.shape == grad.shape and fused.is_contiguous()
-        assert torch.equal(fused, reference) and not torch.equal(fused, grad.float()), shape
-    assert counters["stats"]["unique_graphs"] == graphs + 1, "one compilation serves every length (but 1: no gradient has it)"
-
-    fused_model, plain_model = build("direct", "bf16", CLIP), build("direct", "bf16", CLIP)
-    fused_model._one_rank.fused_cast = True
-    losses_f, norms_f, state_f = train(fused_model)
-    losses_p, norms_p, state_p = train(plain_model)
-    assert losses_f == losses_p and norms_f == norms_p
-    tensors_f, _, _ = local_tensors(state_f)
-    tensors_p, _, _ = local_tensors(state_p)
-    assert all(torch.equal(tensors_f[k], tensors_p[k]) for k in tensors_p)

@@ -16,10 +16,6 @@ the reduction is the identity, so the same values come from less work:
   parameter in one pass: ``fp32(g) * c``, where ``c`` is gradient clipping's coefficient when the model was built
   with ``grad_clip`` (``min(1, max_norm / (norm + 1e-6))``, the norm taken over the fp32 values of the bf16
   gradients: ``torch.nn.utils.clip_grad_norm_``'s arithmetic), else 1. ``clip_grad_norm_`` here returns that norm.
-  With ``fused_cast`` (``train.compile`` on a GPU) that pass is one compiled kernel per gradient (``scaled_fp32``):
-  PyTorch's own ``mul`` of a bf16 tensor by an fp32 one broadcasts it element by element with a cast per load, a
-  third of the memory bandwidth (1b on an H200: 6.8 ms a step, ``bench/onerank_probe.py cast``). Same arithmetic:
-  the upcast is exact, then one fp32 multiply.
 
 With ``reshard_blocks`` (``train.reshard_after_forward``: every transformer block but the last), the copies are
 resharded as FSDP2's ``reshard_after_forward`` reshards its unsharded parameters, with a cast for the all-gather:
@@ -44,8 +40,7 @@ the modules: with it, one rank uses FSDP2 (``train.single_rank=auto``).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,10 +54,9 @@ class OneRank:
     """The model's parameters as one-rank DTensors, copied to ``compute_dtype`` for each forward and backward."""
 
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device, grad_clip: float,
-                 reshard_blocks: Sequence[nn.Module] = (), fused_cast: bool = False) -> None:
+                 reshard_blocks: Sequence[nn.Module] = ()) -> None:
         self.compute_dtype = compute_dtype
         self.grad_clip = grad_clip
-        self.fused_cast = fused_cast
         self.mesh = init_device_mesh(device.type, (1,))
         self.masters: list[nn.Parameter] = []
         self.slots: list[tuple[nn.Module, str, int]] = []
@@ -97,11 +91,10 @@ class OneRank:
 
     @classmethod
     def apply(cls, model: nn.Module, compute_dtype: torch.dtype, device: torch.device,
-              grad_clip: float = 0.0, reshard_blocks: Sequence[nn.Module] = (), fused_cast: bool = False) -> nn.Module:
+              grad_clip: float = 0.0, reshard_blocks: Sequence[nn.Module] = ()) -> nn.Module:
         """``model`` run by a ``OneRank``; ``reshard_blocks``: submodules whose copies are freed after their forward
-        and cast again for their backward (a module wrapped by ``torch.compile``: the wrapper, as called);
-        ``fused_cast``: clipping's gradient pass compiled (``scaled_fp32``)."""
-        one_rank = cls(model, compute_dtype, device, grad_clip, reshard_blocks, fused_cast)
+        and cast again for their backward (a module wrapped by ``torch.compile``: the wrapper, as called)."""
+        one_rank = cls(model, compute_dtype, device, grad_clip, reshard_blocks)
         model.register_forward_pre_hook(one_rank.before_forward)
         model.register_forward_hook(one_rank.after_forward, always_call=True)  # also when the forward raises
         for block, own in one_rank.resharded:
@@ -199,7 +192,7 @@ class OneRank:
                 if grad is None:
                     continue
                 if coef is not None:  # a 1-element tensor: fp32 arithmetic on the upcast values, one pass
-                    grad32 = scaled_fp32(grad, coef, compiled=self.fused_cast)
+                    grad32 = torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
                 else:
                     grad32 = grad.to(torch.float32)
                 del grad
@@ -207,20 +200,6 @@ class OneRank:
                     master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
                 else:
                     master.grad.to_local().add_(grad32)
-
-
-def scaled_fp32(grad: torch.Tensor, coef: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """``fp32(grad) * coef`` (``coef``: one fp32 element) as a new fp32 tensor shaped like ``grad``, in one pass;
-    ``compiled``: one generated kernel over the flat tensor (any length: one compilation serves every gradient)."""
-    if not compiled:
-        return torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
-    # detached: no view of ``grad`` (Dynamo would guard on its base's shape: one compilation per 2-D shape)
-    return _compiled_scale()(grad.reshape(-1).detach(), coef.reshape(())).view(grad.shape)
-
-
-@functools.cache
-def _compiled_scale() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    return torch.compile(lambda flat, coef: flat.float() * coef, dynamic=True, fullgraph=True)
 
 
 def is_one_rank(model: nn.Module) -> bool:

@@ -213,8 +213,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
     if direct:
         blocks = list(layers)[:-1] if reshard else []  # the last one: as above
-        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks,
-                             fused_cast=cfg.compile and device.type == "cuda")
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks)
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
         fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
