@@ -323,3 +323,25 @@ def test_the_writer_process_starts_after_the_first_step_and_is_ready_for_the_fir
     finally:
         mgr.close(job_over=True)
     assert not process.is_alive(), "stopped with the manager"
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_that_could_not_start_stops_without_an_error_of_its_own(pg, monkeypatch):
+    """Spawning the writer process failed (the system's process or memory limit): that error reaches the caller,
+    and stopping the writer afterwards neither raises about a process that never ran nor hangs (it did: NVRx's
+    caller then waits forever on the queue of a worker that does not exist)."""
+    import errno
+    import multiprocessing.context
+
+    from trainer.checkpoint.writer import Writer
+
+    def refuse(self):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    writer = Writer()
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        writer.start()
+    writer.stop(graceful=True)
+    writer.stop(graceful=False)
+    assert writer._queue is None

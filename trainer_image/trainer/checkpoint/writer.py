@@ -369,6 +369,9 @@ class Writer:
         caller = queue.persistent_caller
         if caller is None or caller.process is None:
             return
+        if caller.process.pid is None:  # its start failed (spawn: EAGAIN, ENOMEM): nothing to stop, and that error,
+            caller.process = None       # not one of stopping it, is the one the caller reports
+            return
         if graceful and caller.process.is_alive() and not queue.get_num_unfinalized_calls():
             caller.close()  # sends DONE and joins
             return
