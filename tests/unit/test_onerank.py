@@ -169,4 +169,3 @@ def test_compiled_blocks_take_the_casts_as_inputs_without_recompiling(pg):
     eager, _, _ = train(build("direct", "bf16", CLIP))
     assert losses != eager, "compiled code ran"
     assert losses == pytest.approx(eager, rel=2e-2), "the compiled model computes what the eager one does"
-

@@ -69,13 +69,14 @@ def init_process_group(
     ``PrefixStore`` each iteration; without one the launcher's env rendezvous is used.
 
     NCCL with more than one rank: the communicator is made here (``device_id``), not by the first collective. With
-    one rank the trainer runs no collective on this group (``OneRank``, no loss or preemption reduction), so no
-    communicator is made at all: the in-process restart's abort then has none to tear down (NVRx's abort of a
-    one-rank communicator took 0.5-1.0 s of each in-process restart on an H200)."""
+    one rank it is left to the first collective, and ``OneRank`` (one rank's default) runs none on this group (nor
+    the loss or preemption reductions), so none is made: the in-process restart's abort has nothing to tear down
+    (NVRx's abort of a one-rank communicator: 0.8-1.0 s on an H200, ``bench/onerank_probe.py abort``). FSDP2 at one
+    rank (``train.single_rank=fsdp``, activation checkpointing) makes it at its first all-gather."""
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {"backend": backend_for(device), "timeout": timeout}
     before = _socket_inodes() if device.type != "cuda" else {}
-    if device.type == "cuda" and env.world_size > 1:  # one rank: no collective, so no NCCL communicator (below)
+    if device.type == "cuda" and env.world_size > 1:  # one rank: made by a first collective, if any (above)
         kwargs["device_id"] = device
     if store is not None:
         dist.init_process_group(store=store, rank=env.rank, world_size=env.world_size, **kwargs)

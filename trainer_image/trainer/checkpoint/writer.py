@@ -369,8 +369,10 @@ class Writer:
         caller = queue.persistent_caller
         if caller is None or caller.process is None:
             return
-        if caller.process.pid is None:  # its start failed (spawn: EAGAIN, ENOMEM): nothing to stop, and that error,
-            caller.process = None       # not one of stopping it, is the one the caller reports
+        if caller.process.pid is None:
+            # its start failed (spawn: EAGAIN, ENOMEM): nothing to stop, and that error is the one to report (NVRx's
+            # close() would wait forever for a worker that never ran)
+            caller.process = None
             return
         if graceful and caller.process.is_alive() and not queue.get_num_unfinalized_calls():
             caller.close()  # sends DONE and joins
