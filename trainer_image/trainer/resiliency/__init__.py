@@ -418,23 +418,29 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
     logfile.parent.mkdir(parents=True, exist_ok=True)
     s = lambda seconds: datetime.timedelta(seconds=seconds)  # noqa: E731
     barrier_s = r.hard_timeout_s + r.termination_grace_s + BARRIER_MARGIN_S
-    abort: Any = inprocess.abort.AbortTorchDistributed()
+    aborts: list[tuple[str, Any]] = [("torch.distributed", inprocess.abort.AbortTorchDistributed())]
     callbacks: dict[str, Any] = {}
-    if layers.heartbeat.active:  # both layers on: tell ft_launcher about in-process restarts
-        abort = inprocess.Compose(abort, nested.NestedRestarterHandlingStarting())
+    if layers.heartbeat.active:  # both layers on: tell ft_launcher about in-process restarts (first, as Compose did)
+        aborts.insert(0, ("nested restarter", nested.NestedRestarterHandlingStarting()))
         callbacks = dict(initialize=nested.NestedRestarterHandlingCompleted(),
                          completion=nested.NestedRestarterFinalized(),
                          terminate=nested.NestedRestarterAborted())
 
     class TimedAbort(inprocess.abort.Abort):
-        """The abort, timed for the restart's phases (``startup``)."""
+        """The abort, timed for the restart's phases (``startup``), each part's seconds logged."""
 
         def __call__(self, state: Any) -> Any:
             startup.CLOCK.note("abort_began")
+            took = []
             try:
-                return abort(state)
+                for name, part in aborts:
+                    began = time.perf_counter()
+                    state = part(state)
+                    took.append(f"{name} {time.perf_counter() - began:.3f} s")
+                return state
             finally:
                 startup.CLOCK.note("abort_ended")
+                log.info("in-process abort: %s", ", ".join(took) or "did not finish")
 
     health_check = inprocess.Compose(  # run() checked the node at start: that covers the first iteration
         NodeHealth(layers.health, checked_for=0),

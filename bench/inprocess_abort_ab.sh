@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Where the in-process restart's abort spends its time under entrypoint.sh (ft_launcher, standby) on one GPU: 1b
+# eager, 30 steps, an exception at step 20 (snapshots every 10 steps, only the final save persisted), three
+# variants, one process tree each: as shipped; no standby (TRAINER_STANDBY=0); no expandable segments. Prints each
+# rank's "in-process abort" line (every part's seconds: trainer/resiliency) and the recovery's phases.
+#   source bench/gpu_env.sh && bash bench/inprocess_abort_ab.sh
+set -u
+cd "$(dirname "$0")/.."
+DATA=${DATA:-$PWD/.benchdata/data}; CKPT=${CKPT:-/tmp/abort-ab-ckpt}
+run() {  # label, then environment assignments
+  local label=$1; shift
+  local dir=/tmp/abort-ab-$label; rm -rf "$dir" "$CKPT"
+  env "$@" NPROC_PER_NODE=1 MASTER_PORT=$((29500 + RANDOM % 1000)) timeout 150 trainer_image/entrypoint.sh \
+    --config 1b --data.path="$DATA" --train.run_dir="$dir" --checkpoint.dir="$CKPT" --train.compile=false \
+    --train.steps=30 --train.log_every=1 --checkpoint.interval=10 --checkpoint.persist_every=0 \
+    --resiliency.inprocess=true --resiliency.faults=0:20:exception >"$dir.log" 2>&1
+  echo "== $label: exit $?"
+  grep -hE "in-process abort|start phases.*in-process" "$dir.log" | cut -c1-220
+  python3 bench/figures.py recovery "$dir" | cut -c1-330
+  rm -rf "$dir" "$dir.log" "$CKPT"
+}
+run shipped TRAINER_STANDBY=1
+run no-standby TRAINER_STANDBY=0
+run no-expandable TRAINER_STANDBY=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
