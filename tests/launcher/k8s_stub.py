@@ -156,6 +156,9 @@ class Scenario:
     delete_delay_s: float = DELETE_DELAY_S
     suspend_on_create: bool = False
     """A created job arrives with its suspend flag set, as Kueue's webhook sets it for a queued job."""
+    lockstep: bool = False
+    """Each action waits until a watch of jobs is open and has no event in flight, so every status change
+    reaches a watch (never a list), however slow the machine: tests that count watches need this."""
 
 
 @dataclass
@@ -246,6 +249,8 @@ class StubCluster:
         """(name, foreground) of every delete of an existing job."""
         self._rv = itertools.count(1000)
         self.changed = threading.Condition()
+        self.watching = 0
+        """Watches of jobs waiting for an event now (for `Scenario.lockstep`)."""
         self.stopping = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.daemon_threads = True
@@ -303,6 +308,8 @@ class StubCluster:
         for action in self.scenario.actions:
             time.sleep(self.scenario.step_delay_s)
             with self.changed:
+                if self.scenario.lockstep:
+                    self.changed.wait_for(lambda: self.watching > 0 or self.stopping.is_set(), timeout=30)
                 job = self.jobs.get((ns, name))
                 if self.stopping.is_set() or job is None or job["metadata"]["uid"] != uid \
                         or "deletionTimestamp" in job["metadata"]:

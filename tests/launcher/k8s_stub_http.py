@@ -144,19 +144,29 @@ class _Handler(BaseHTTPRequestHandler):
                 for (n, _), job in stub.jobs.items():
                     if n == ns and _selected(job, query):
                         self._chunk({"type": "ADDED", "object": job})
-        while time.monotonic() < end and not stub.stopping.is_set():
-            with stub.changed:
-                pending = [(rv, t, o) for rv, t, o in stub.events
-                           if rv > cursor and o["metadata"]["namespace"] == ns and _selected(o, query)]
-                cursor = stub.events[-1][0] if stub.events else cursor
-                if not pending:
-                    stub.changed.wait(WAIT_SLICE_S)
-            for _, etype, obj in pending:
-                self._chunk({"type": etype, "object": obj})
-                if cut:
-                    self._cut()
-                    return
-        self._end_chunked()
+            stub.watching += 1
+            stub.changed.notify_all()
+        waiting = True
+        try:
+            while time.monotonic() < end and not stub.stopping.is_set():
+                with stub.changed:
+                    pending = [(rv, t, o) for rv, t, o in stub.events
+                               if rv > cursor and o["metadata"]["namespace"] == ns and _selected(o, query)]
+                    cursor = stub.events[-1][0] if stub.events else cursor
+                    if pending and cut:  # this watch ends with its first event: the next change waits for another
+                        stub.watching, waiting = stub.watching - 1, False
+                    if not pending:
+                        stub.changed.wait(WAIT_SLICE_S)
+                for _, etype, obj in pending:
+                    self._chunk({"type": etype, "object": obj})
+                    if cut:
+                        self._cut()
+                        return
+            self._end_chunked()
+        finally:
+            if waiting:
+                with stub.changed:
+                    stub.watching -= 1
 
     def _not_found(self, name: str, plural: str = "") -> None:
         plural = plural or f"{self.stub.flavour.plural}.{self.stub.flavour.group}"

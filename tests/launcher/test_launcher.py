@@ -128,8 +128,8 @@ def test_failed_job_from_an_earlier_attempt_is_deleted_and_resubmitted() -> None
 def test_watch_disconnect_and_410_gone_reconnect_and_still_see_success(caplog: pytest.LogCaptureFixture) -> None:
     spec = _spec()
     caplog.set_level(logging.INFO, logger="components.lib.k8s_launcher")
-    # Slow steps: the re-list precedes the job's 3 status changes, so each cut watch carries one of them.
-    scenario = Scenario(succeeding("a", "b", "c"), step_delay_s=0.2, watch_disconnects=2, watch_gone=1)
+    # Lockstep: the re-list precedes the job's 3 status changes, so each cut watch carries one of them.
+    scenario = Scenario(succeeding("a", "b", "c"), watch_disconnects=2, watch_gone=1, lockstep=True)
     with StubCluster(scenario) as cluster:
         result = cluster.launcher().run(spec)
         verbs = _verbs(cluster, "pytorchjobs")
