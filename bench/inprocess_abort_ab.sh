@@ -14,16 +14,17 @@ run() {  # label, then environment assignments. Each run is killed (its process 
   setsid env "$@" NPROC_PER_NODE=1 MASTER_PORT=$((29500 + RANDOM % 1000)) trainer_image/entrypoint.sh \
     --config "${CFG:-1b}" --data.path="$DATA" --train.run_dir="$dir" --checkpoint.dir="$CKPT" --train.compile=false \
     --train.steps=30 --train.log_every=1 --checkpoint.interval=10 --checkpoint.persist_every=0 \
-    --resiliency.inprocess=true --resiliency.faults=0:20:exception >"$dir.log" 2>&1 &
+    --resiliency.inprocess=true --resiliency.faults=0:20:exception ${EXTRA_ARGS:-} >"$dir.log" 2>&1 &
   local pid=$! deadline=$((SECONDS + ${RUN_TIMEOUT_S:-120}))
   while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ] \
       && ! grep -qs '"recovered"' "$dir/recovery.jsonl"; do sleep 0.5; done
   sleep 2; kill -KILL -- "-$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   echo "== $label: $(grep -cs '"recovered"' "$dir/recovery.jsonl") recovery record(s)"
-  grep -hE "in-process abort|start phases.*in-process|Traceback|Error" "$dir.log" | cut -c1-260 | head -20
+  grep -hE "in-process abort|in-process restart, from|start phases.*in-process|Traceback|Error" "$dir.log" | cut -c1-260 | head -20
   python3 bench/figures.py recovery "$dir" | cut -c1-400
   rm -rf "$dir" "$dir.log" "$CKPT" /dev/shm/resilient-train-*
 }
-run shipped TRAINER_STANDBY=1
+run ${LABEL:-shipped} TRAINER_STANDBY=1
+[ -n "${ONLY_SHIPPED:-}" ] && exit 0
 run no-standby TRAINER_STANDBY=0
 run no-expandable TRAINER_STANDBY=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False

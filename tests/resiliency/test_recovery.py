@@ -173,6 +173,11 @@ def test_exception_is_recovered_in_process(inprocess_run, reference):
     assert {"detect", "abort", "wrapper", "process_group", "restore", "first_step"} <= set(phases)
     before = sum(v for k, v in phases.items() if k in ("unwind", "detect", "abort", "wrapper", "reconnect"))
     assert abs(before + phases["total"] - recovered["recovery_s"]) < 0.05, phases
+    # Each rank logs its abort's parts and where the Wrapper's part went (BENCHMARKS.md reads these lines).
+    assert re.search(r"\[rank1\] .*in-process abort: (nested restarter [\d.]+ s, )?torch.distributed [\d.]+ s", out)
+    wrapper = re.search(r"\[rank1\] .*from the abort's end to this call: ([\d.]+) s: health checks ([\d.]+) s, "
+                        r"garbage collection ([\d.]+) s \((\d+) collections\), the rest", out)
+    assert wrapper and float(wrapper[1]) >= float(wrapper[2]) + float(wrapper[3]) and int(wrapper[4]) >= 1, out[-3000:]
     assert events(run_dir, "summary")[0]["by_layer"] == {"inprocess": 2, "injob": 0, "cluster": 0}  # and the hang's
     assert_same_weights(run_dir, reference)
 

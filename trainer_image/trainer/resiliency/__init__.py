@@ -34,6 +34,7 @@ Plus: SIGTERM (preemption) handling, fault injection (``trainer.faults``), the r
 # No ``from __future__ import annotations``: NVRx injects the CallWrapper by the evaluated annotation.
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -441,14 +442,26 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
             finally:
                 startup.CLOCK.note("abort_ended")
                 log.info("in-process abort: %s", ", ".join(took) or "did not finish")
+                clock.start()
 
-    health_check = inprocess.Compose(  # run() checked the node at start: that covers the first iteration
+    checks = inprocess.Compose(  # run() checked the node at start: that covers the first iteration
         NodeHealth(layers.health, checked_for=0),
         inprocess.health_check.FaultCounter(max_rank_faults=r.inprocess_max_restarts),
     )
+    clock = _WrapperClock()
+
+    class TimedHealthCheck(inprocess.health_check.HealthCheck):
+        def __call__(self, state: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return checks(state)
+            finally:
+                clock.health_s += time.perf_counter() - began
 
     def restartable(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
         startup.CLOCK.note("called_again")
+        if call_wrapper.iteration:
+            log.info("in-process restart, from the abort's end to this call: %s", clock.stop())
         if call_wrapper.iteration > r.inprocess_max_restarts:
             raise TrainerExit(ExitCode.RESTART_BUDGET_EXHAUSTED,
                               f"in-process restart budget spent ({r.inprocess_max_restarts} restarts)")
@@ -465,7 +478,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         store_factory=store_factory,
         store_kwargs=store_kwargs,
         abort=TimedAbort(),
-        health_check=health_check,
+        health_check=TimedHealthCheck(),
         soft_timeout=s(r.soft_timeout_s),
         hard_timeout=s(r.hard_timeout_s),
         heartbeat_timeout=s(r.heartbeat_timeout_s),
@@ -482,6 +495,38 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         return wrapped()
     finally:
         layers.call_wrapper = None
+
+
+class _WrapperClock:
+    """Where an in-process restart's time goes between the abort's end and the function's next call (the restart's
+    ``wrapper`` phase): the Wrapper's health checks (after the fault, and again on entering the next iteration), its
+    garbage collection (``while gc.collect()`` on every restart) and the rest (its store barriers, the monitor
+    thread's shutdown, the nested restarter's callbacks)."""
+
+    def __init__(self) -> None:
+        self.began = self.health_s = self.gc_s = 0.0
+        self.collections = 0
+        self._gc_began: float | None = None
+
+    def start(self) -> None:
+        self.began, self.health_s, self.gc_s, self.collections = time.perf_counter(), 0.0, 0.0, 0
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> str:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+        total = time.perf_counter() - self.began
+        return (f"{total:.3f} s: health checks {self.health_s:.3f} s, garbage collection {self.gc_s:.3f} s "
+                f"({self.collections} collections), the rest {total - self.health_s - self.gc_s:.3f} s")
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        elif self._gc_began is not None:
+            self.gc_s += time.perf_counter() - self._gc_began
+            self.collections += 1
+            self._gc_began = None
 
 
 def _free_port() -> int:
