@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Where the in-process restart's abort spends its time under entrypoint.sh (ft_launcher, standby) on one GPU: 1b
-# eager, 30 steps, an exception at step 20 (snapshots every 10 steps, only the final save persisted), three
-# variants, one process tree each: as shipped; no standby (TRAINER_STANDBY=0); no expandable segments. Prints each
-# rank's "in-process abort" line (every part's seconds: trainer/resiliency) and the recovery's phases.
+# Where the in-process restart's time goes under entrypoint.sh (ft_launcher, standby) on one GPU: 1b eager, an
+# exception at step 20, snapshots every 10 steps. Variants (VARIANTS, each REPEAT times, interleaved), one process
+# tree each: shipped (only the final save persisted); write-in-flight (every snapshot persisted: step 10's write is
+# in flight at the fault); no-standby (TRAINER_STANDBY=0); no-expandable (expandable segments off). Prints each
+# rank's "in-process abort" line (every part's seconds), the Wrapper's part split (health checks, garbage
+# collection, the rest) and the recovery's phases.
 #   source bench/gpu_env.sh && bash bench/inprocess_abort_ab.sh      (CFG=tiny on a CPU: a dry run of the script)
+#   VARIANTS="shipped write-in-flight" REPEAT=3 bash bench/inprocess_abort_ab.sh
 set -u
 cd "$(dirname "$0")/.."
 DATA=${DATA:-$PWD/.benchdata/data}; CKPT=${CKPT:-/tmp/abort-ab-ckpt}
@@ -24,7 +27,15 @@ run() {  # label, then environment assignments. Each run is killed (its process 
   python3 bench/figures.py recovery "$dir" | cut -c1-400
   rm -rf "$dir" "$dir.log" "$CKPT" /dev/shm/resilient-train-*
 }
-run ${LABEL:-shipped} TRAINER_STANDBY=1
-[ -n "${ONLY_SHIPPED:-}" ] && exit 0
-run no-standby TRAINER_STANDBY=0
-run no-expandable TRAINER_STANDBY=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+for _ in $(seq "${REPEAT:-1}"); do
+  for variant in ${VARIANTS:-shipped write-in-flight no-standby no-expandable}; do
+    case $variant in
+      shipped) EXTRA_ARGS="" run shipped TRAINER_STANDBY=1 ;;
+      write-in-flight) EXTRA_ARGS="--checkpoint.persist_every=1" run write-in-flight TRAINER_STANDBY=1 ;;
+      no-standby) EXTRA_ARGS="" run no-standby TRAINER_STANDBY=0 ;;
+      no-expandable) EXTRA_ARGS="" run no-expandable TRAINER_STANDBY=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False ;;
+      *) echo "inprocess_abort_ab.sh: unknown variant '$variant' (shipped, write-in-flight, no-standby, no-expandable)" >&2
+         exit 2 ;;
+    esac
+  done
+done
