@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from testlib import REPO, VENV_BIN, read_jsonl, torchrun
+from testlib import MICRO_MODEL, REPO, VENV_BIN, read_jsonl, torchrun
 from trainer.checkpoint import FAULT_ENV, CheckpointManager, committed_steps, find_valid_checkpoint, load_model_weights
 from trainer.config import load_config
 from trainer.data import ShardedTokens, TokenLoader
@@ -34,7 +34,8 @@ def _args(dataset: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", "tiny", f"--data.path={dataset}", f"--train.run_dir={run_dir}", f"--train.steps={steps}",
             "--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0",  # constant LR: independent of train.steps
             f"--train.batch_size={BATCH}", f"--data.seq_len={SEQ}",
-            f"--checkpoint.node_local_dir={run_dir}-node", *extra]  # not /dev/shm: a killed run leaves its slots
+            f"--checkpoint.node_local_dir={run_dir}-node",  # not /dev/shm: a killed run leaves its slots
+            *MICRO_MODEL, *extra]
 
 
 def _run(*args: str) -> None:
@@ -97,7 +98,7 @@ def test_two_rank_checkpoint_loads_in_one_process(runs, tiny_dataset, tmp_path):
     straight, split = runs
     ckpt = tmp_path / "ckpt"
     shutil.copytree(straight / "checkpoints" / f"step-{N:08d}", ckpt / f"step-{N:08d}")
-    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
+    cfg = load_config("tiny", [*MICRO_MODEL, f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
                                f"--data.seq_len={SEQ}", f"--checkpoint.dir={ckpt}",
                                f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
     dataset = ShardedTokens(tiny_dataset, verify=False)
@@ -180,7 +181,7 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(runs, tmp_path, tiny_da
     assert step_dir.name == f"step-{N:08d}" and manifest["world_size"] == 2
     assert (ckpt / f"step-{N + 2:08d}.tmp").is_dir()  # the partial save is never taken for a checkpoint
     # A restart (here on one process) ignores and removes the partial one and resumes from step N.
-    cfg = load_config("tiny", [f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
+    cfg = load_config("tiny", [*MICRO_MODEL, f"--data.path={tiny_dataset}", f"--train.batch_size={GLOBAL_BATCH}",
                                f"--data.seq_len={SEQ}", f"--checkpoint.dir={ckpt}",
                                f"--checkpoint.node_local_dir={tmp_path / 'node'}"])
     cfg.model.vocab_size = ShardedTokens(tiny_dataset, verify=False).vocab_size

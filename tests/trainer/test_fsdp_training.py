@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from testlib import read_jsonl, torchrun
+from testlib import MICRO_MODEL, read_jsonl, torchrun
 from trainer.checkpoint import load_model_weights
 
 pytestmark = pytest.mark.multiprocess
@@ -14,16 +14,14 @@ STEPS = 30
 # The final save is written inline (no background writer process per rank, which costs ~1.3 s of CPU to start): the
 # same bytes (tests/checkpoint/test_resume.py::test_async_save_equals_sync_save).
 SMALL_BATCHES = ["--train.batch_size=2", "--data.seq_len=64"]
-# A smaller model than the preset's (dim 64, 2 layers): a 2-rank run of 30 steps takes 7 CPU-s instead of 13.5, the
-# loss still falls by 1.2 nats, and FSDP2 shards the same kinds of parameters (21 tensors, each split over 2 ranks).
-MICRO = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=176"]
+# MICRO_MODEL: the loss still falls by 1.2 nats in 30 steps.
 
 
 def _train(tmp_path, dataset, name, *extra):
     run_dir = tmp_path / name
     result = torchrun(
         ["--config", "tiny", f"--data.path={dataset}", f"--train.run_dir={run_dir}", f"--train.steps={STEPS}",
-         "--checkpoint.interval=0", "--checkpoint.async_save=false", *SMALL_BATCHES, *MICRO, *extra]
+         "--checkpoint.interval=0", "--checkpoint.async_save=false", *SMALL_BATCHES, *MICRO_MODEL, *extra]
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir
