@@ -13,6 +13,7 @@ from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable
 from trainer.faults import FaultInjector, FaultSpec, corrupt_newest_checkpoint, parse_faults
 from trainer.health import (
     NVML_FEATURE_ENABLED,
+    NVML_NVLINK_MAX_LINKS,
     THROTTLE_HW_THERMAL,
     GpuHealthCheck,
     NicHealthCheck,
@@ -66,6 +67,7 @@ class FakeNVML:
         return self.throttle
 
     def nvmlDeviceGetNvLinkState(self, handle, link):
+        self.link_reads = getattr(self, "link_reads", 0) + 1
         if link >= len(self.links):
             raise FakeNVMLError("not supported")
         return self.links[link]
@@ -95,6 +97,22 @@ def test_nvlink_check_fails_when_an_active_link_goes_down():
     nvml.links[1] = 0
     with pytest.raises(NodeUnhealthy, match=r"NVLink\(s\) \[1\] went down"):
         check(None)
+
+
+def test_nvlink_check_reads_only_the_baselines_links_after_the_first_check():
+    nvml = FakeNVML(links=(1, 0, 1))
+    check = NvLinkHealthCheck(0, nvml)
+    check(None)
+    assert nvml.link_reads == NVML_NVLINK_MAX_LINKS  # the baseline: every possible link
+    nvml.link_reads = 0
+    check(None)
+    assert nvml.link_reads == 2  # links 0 and 2
+    without = FakeNVML(links=())
+    check = NvLinkHealthCheck(0, without)
+    check(None)
+    without.link_reads = 0
+    check(None)
+    assert without.link_reads == 0, "a GPU without NVLink: no NVML call on later checks"
 
 
 def _fake_sysfs(root: Path, nics: dict, ib_ports: dict) -> Path:
