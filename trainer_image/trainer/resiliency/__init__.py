@@ -12,10 +12,12 @@ under plain ``torchrun``, under ``ft_launcher`` (``entrypoint.sh``), with or wit
    aborted (``AbortTorchDistributed`` is NCCL-only), so config requires the gloo timeout below the soft
    timeout. ``FaultCounter`` + node health checks decide whether a rank may restart; beyond
    ``inprocess_max_restarts`` the process exits RESTART_BUDGET_EXHAUSTED.
-   Stores: under a torchelastic agent (torchrun, ft_launcher) both the Wrapper's store and the training
-   ``base_store`` are clients of the agent's store on ``MASTER_PORT`` (no rank hosts a store, so the hard
-   timeout killing rank 0 does not take the job down), under a per-attempt key prefix (the agent store
-   outlives in-job restarts). Without an agent, rank 0 hosts them on ``MASTER_PORT + 1`` and ``+ 2``.
+   Stores: the Wrapper's store and the training ``base_store`` share one TCPStore on ``MASTER_PORT``, under a
+   per-attempt key prefix. Under torchrun the agent serves it (no rank is critical, so the hard timeout killing
+   rank 0 does not take the job down; it outlives in-job restarts). Under ft_launcher (its c10d rendezvous does
+   not share the agent's store) and without a launcher, rank 0 serves it, as ``env://`` would: never on ports
+   next to ``MASTER_PORT``, which nobody reserved (a port taken there made NVRx's store fall back to a client of
+   whatever held it, and both ranks waited 2 x 300 s to connect).
 2. **in-job** (``resiliency.heartbeats``): NVRx ``RankMonitorClient`` heartbeats to ``ft_launcher``'s rank
    monitors every step (a null object when ``FT_RANK_MONITOR_IPC_SOCKET`` is unset). Timeouts are
    computed from observed intervals (``calculate_and_set_hb_timeouts``) once a checkpoint save has been
@@ -68,8 +70,6 @@ log = logging.getLogger(__name__)
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 TERM_TIMEOUT_ENV = "TRAINER_TERM_TIMEOUT_S"  # exported by entrypoint.sh: ft_launcher's --term-timeout
-WRAPPER_STORE_PORT_OFFSET = 1  # without a torchelastic agent: the Wrapper's store on MASTER_PORT + 1
-BASE_STORE_PORT_OFFSET = 2  # ... and the training base store on MASTER_PORT + 2
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 BARRIER_MARGIN_S = 30.0  # Wrapper barriers wait this much beyond hard timeout + termination grace
 INJOB_MARGIN_S = 10.0  # launcher heartbeat timeouts stay this much above the in-process hard timeout
@@ -383,26 +383,31 @@ def _call(train_fn: TrainFn, res: Any, store: Any, layers: Layers) -> dict[str, 
 
 def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store]:
     """(Wrapper store factory, its kwargs, training base store); see the module docstring."""
-    from nvidia_resiliency_ext.inprocess.store import StoreMixin, TCPStore
+    from nvidia_resiliency_ext.inprocess.store import StoreMixin
 
     addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.setdefault("MASTER_PORT", str(_free_port())))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if agent:  # torchrun: the agent serves a store on MASTER_PORT
+        server = dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True)
+    else:  # ft_launcher (c10d), or no launcher: rank 0 serves it, as for env:// (MASTER_PORT is free for it)
+        server = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT,
+                               multi_tenant=True, wait_for_workers=True, use_libuv=True)
 
-        class AgentStore(dist.PrefixStore, StoreMixin):
-            """Client of the agent's store, keys prefixed per in-job attempt; no rank is critical."""
+    class JobStore(dist.PrefixStore, StoreMixin):
+        """The Wrapper's store: a client of the job's store (its own connection: NVRx's monitor process makes one
+        too), keys prefixed per in-job attempt. Rank 0 is critical where it serves the store."""
 
-            def __init__(self, port: int, prefix: str) -> None:
-                client = dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True)
-                super().__init__(prefix, client)
+        def __init__(self, port: int, prefix: str) -> None:
+            super().__init__(prefix, dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True))
 
-        base = dist.PrefixStore(f"trainer/attempt_{attempt}/pg",
-                                dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True))
-        return AgentStore, {"port": port, "prefix": f"trainer/attempt_{attempt}/nvrx"}, base
-    base = dist.TCPStore(addr, port + BASE_STORE_PORT_OFFSET, world_size, is_master=rank == 0,
-                         timeout=STORE_TIMEOUT, multi_tenant=True, wait_for_workers=True, use_libuv=True)
-    return TCPStore, {"port": port + WRAPPER_STORE_PORT_OFFSET, "timeout": STORE_TIMEOUT}, base
+        @property
+        def critical_ranks(self) -> tuple[int, ...]:
+            return () if agent else (0,)
+
+    return JobStore, {"port": port, "prefix": f"trainer/attempt_{attempt}/nvrx"}, \
+        dist.PrefixStore(f"trainer/attempt_{attempt}/pg", server)
 
 
 def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any]:
