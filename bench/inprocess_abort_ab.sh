@@ -16,6 +16,7 @@ run() {  # label, then environment assignments. Each run is killed (its process 
   local dir=/tmp/abort-ab-$label; rm -rf "$dir" "$CKPT"
   setsid env "$@" NPROC_PER_NODE=1 MASTER_PORT=$((29500 + RANDOM % 1000)) trainer_image/entrypoint.sh \
     --config "${CFG:-1b}" --data.path="$DATA" --train.run_dir="$dir" --checkpoint.dir="$CKPT" --train.compile=false \
+    --checkpoint.node_local_dir=/dev/shm/abort-ab \
     --train.steps=30 --train.log_every=1 --checkpoint.interval=10 --checkpoint.persist_every=0 \
     --resiliency.inprocess=true --resiliency.faults=0:20:exception ${EXTRA_ARGS:-} >"$dir.log" 2>&1 &
   local pid=$! deadline=$((SECONDS + ${RUN_TIMEOUT_S:-120}))
@@ -25,7 +26,7 @@ run() {  # label, then environment assignments. Each run is killed (its process 
   echo "== $label: $(grep -cs '"recovered"' "$dir/recovery.jsonl") recovery record(s)"
   grep -hE "in-process abort|in-process restart, from|start phases.*in-process|Traceback|Error" "$dir.log" | cut -c1-260 | head -20
   python3 bench/figures.py recovery "$dir" | cut -c1-400
-  rm -rf "$dir" "$dir.log" "$CKPT" /dev/shm/resilient-train-*
+  rm -rf "$dir" "$dir.log" "$CKPT" /dev/shm/abort-ab  # the killed job could not remove its slots
 }
 for _ in $(seq "${REPEAT:-1}"); do
   for variant in ${VARIANTS:-shipped write-in-flight no-standby no-expandable}; do

@@ -177,7 +177,9 @@ def test_exception_is_recovered_in_process(inprocess_run, reference):
     assert re.search(r"\[rank1\] .*in-process abort: (nested restarter [\d.]+ s, )?torch.distributed [\d.]+ s", out)
     wrapper = re.search(r"\[rank1\] .*from the abort's end to this call: ([\d.]+) s: health checks ([\d.]+) s, "
                         r"garbage collection ([\d.]+) s \((\d+) collections\), the rest", out)
-    assert wrapper and float(wrapper[1]) >= float(wrapper[2]) + float(wrapper[3]) and int(wrapper[4]) >= 1, out[-3000:]
+    # The total comes from the restart's marks, the parts from their own timers: the parts must fit inside it.
+    assert wrapper and int(wrapper[4]) >= 1, out[-3000:]
+    assert float(wrapper[2]) + float(wrapper[3]) <= float(wrapper[1]) + 0.002, wrapper[0]
     assert events(run_dir, "summary")[0]["by_layer"] == {"inprocess": 2, "injob": 0, "cluster": 0}  # and the hang's
     assert_same_weights(run_dir, reference)
 

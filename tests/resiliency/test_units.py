@@ -39,6 +39,7 @@ class FakeNVML:
 
     def __init__(self, ecc=0, pending=0, throttle=0, links=(1, 1, 0), xid=None):
         self.ecc, self.pending, self.throttle, self.links, self.xid = ecc, pending, throttle, list(links), xid
+        self.link_reads = 0
 
     def nvmlDeviceGetCount(self):
         return 1
@@ -67,7 +68,7 @@ class FakeNVML:
         return self.throttle
 
     def nvmlDeviceGetNvLinkState(self, handle, link):
-        self.link_reads = getattr(self, "link_reads", 0) + 1
+        self.link_reads += 1
         if link >= len(self.links):
             raise FakeNVMLError("not supported")
         return self.links[link]

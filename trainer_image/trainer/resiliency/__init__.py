@@ -393,7 +393,7 @@ def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store
         server = dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True)
     else:  # ft_launcher (c10d), or no launcher: rank 0 serves it, as for env:// (MASTER_PORT is free for it)
         server = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=STORE_TIMEOUT,
-                               multi_tenant=True, wait_for_workers=True, use_libuv=True)
+                               wait_for_workers=True, use_libuv=True)
 
     class JobStore(dist.PrefixStore, StoreMixin):
         """The Wrapper's store: a client of the job's store (its own connection: NVRx's monitor process makes one
@@ -402,9 +402,7 @@ def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store
         def __init__(self, port: int, prefix: str) -> None:
             super().__init__(prefix, dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True))
 
-        @property
-        def critical_ranks(self) -> tuple[int, ...]:
-            return () if agent else (0,)
+        critical_ranks = () if agent else (0,)  # NVRx's StoreMixin: a rank whose loss ends in-process restarts
 
     return JobStore, {"port": port, "prefix": f"trainer/attempt_{attempt}/nvrx"}, \
         dist.PrefixStore(f"trainer/attempt_{attempt}/pg", server)
@@ -466,7 +464,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
     def restartable(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
         startup.CLOCK.note("called_again")
         if call_wrapper.iteration:
-            log.info("in-process restart, from the abort's end to this call: %s", clock.stop())
+            log.info("in-process restart, from the abort's end to this call: %s", clock.stop(startup.CLOCK.marks))
         if call_wrapper.iteration > r.inprocess_max_restarts:
             raise TrainerExit(ExitCode.RESTART_BUDGET_EXHAUSTED,
                               f"in-process restart budget spent ({r.inprocess_max_restarts} restarts)")
@@ -503,25 +501,25 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
 
 
 class _WrapperClock:
-    """Where an in-process restart's time goes between the abort's end and the function's next call (the restart's
-    ``wrapper`` phase): the Wrapper's health checks (after the fault, and again on entering the next iteration), its
-    garbage collection (``while gc.collect()`` on every restart) and the rest (its store barriers, the monitor
-    thread's shutdown, the nested restarter's callbacks)."""
+    """What of an in-process restart's ``wrapper`` phase (from the abort's end to the function's next call:
+    ``startup.CLOCK``'s marks) went to the Wrapper's health checks (after the fault, and again on entering the next
+    iteration) and to its garbage collection (``while gc.collect()`` on every restart); the rest is its store
+    barriers, the monitor thread's shutdown and the nested restarter's callbacks."""
 
     def __init__(self) -> None:
-        self.began = self.health_s = self.gc_s = 0.0
+        self.health_s = self.gc_s = 0.0
         self.collections = 0
         self._gc_began: float | None = None
 
     def start(self) -> None:
-        self.began, self.health_s, self.gc_s, self.collections = time.perf_counter(), 0.0, 0.0, 0
+        self.health_s, self.gc_s, self.collections = 0.0, 0.0, 0
         if self._on_gc not in gc.callbacks:
             gc.callbacks.append(self._on_gc)
 
-    def stop(self) -> str:
+    def stop(self, marks: dict[str, float]) -> str:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
-        total = time.perf_counter() - self.began
+        total = marks["called_again"] - marks["abort_ended"] if "abort_ended" in marks else float("nan")
         return (f"{total:.3f} s: health checks {self.health_s:.3f} s, garbage collection {self.gc_s:.3f} s "
                 f"({self.collections} collections), the rest {total - self.health_s - self.gc_s:.3f} s")
 
