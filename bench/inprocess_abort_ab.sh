@@ -7,6 +7,7 @@
 # collection, the rest) and the recovery's phases.
 #   source bench/gpu_env.sh && bash bench/inprocess_abort_ab.sh      (CFG=tiny on a CPU: a dry run of the script)
 #   VARIANTS="shipped write-in-flight" REPEAT=3 bash bench/inprocess_abort_ab.sh
+#   FAULT_STEP=205 (default 20): the exception later in the run (the run is FAULT_STEP + 10 steps)
 set -u
 cd "$(dirname "$0")/.."
 DATA=${DATA:-$PWD/.benchdata/data}; CKPT=${CKPT:-/tmp/abort-ab-ckpt}
@@ -17,8 +18,8 @@ run() {  # label, then environment assignments. Each run is killed (its process 
   setsid env "$@" NPROC_PER_NODE=1 MASTER_PORT=$((29500 + RANDOM % 1000)) trainer_image/entrypoint.sh \
     --config "${CFG:-1b}" --data.path="$DATA" --train.run_dir="$dir" --checkpoint.dir="$CKPT" --train.compile=false \
     --checkpoint.node_local_dir=/dev/shm/abort-ab \
-    --train.steps=30 --train.log_every=1 --checkpoint.interval=10 --checkpoint.persist_every=0 \
-    --resiliency.inprocess=true --resiliency.faults=0:20:exception ${EXTRA_ARGS:-} >"$dir.log" 2>&1 &
+    --train.steps=$(( ${FAULT_STEP:-20} + 10 )) --train.log_every=1 --checkpoint.interval=10 --checkpoint.persist_every=0 \
+    --resiliency.inprocess=true --resiliency.faults=0:${FAULT_STEP:-20}:exception ${EXTRA_ARGS:-} >"$dir.log" 2>&1 &
   local pid=$! deadline=$((SECONDS + ${RUN_TIMEOUT_S:-120}))
   while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ] \
       && ! grep -qs '"recovered"' "$dir/recovery.jsonl"; do sleep 0.5; done

@@ -351,3 +351,33 @@ def test_the_gloo_connection_scan_skips_a_socket_closed_by_another_thread(monkey
     monkeypatch.setattr(parallel, "_GLOO_CONNECTIONS", [(fd, inode)])
     parallel.abort_process_group()  # no error, nothing else touched
     assert parallel._GLOO_CONNECTIONS == []
+
+
+def test_the_distributed_abort_times_its_two_steps_and_names_the_groups():
+    """The in-process abort's torch.distributed part (NVRx's AbortTorchDistributed) logs the backends' abort and the
+    groups' destruction apart, and over which groups: on an H200 that part took 0.9 s in one run and 2 ms in another."""
+    import torch.distributed as dist
+
+    from trainer.resiliency import _DistributedAbort
+
+    class Impl:
+        calls = 0
+
+        @classmethod
+        def shutdown_all_process_group_backends(cls):
+            cls.calls += 1
+            time.sleep(0.05)
+
+    part = _DistributedAbort(Impl)
+    assert part("state") == "state" and part.detail == " (no process group)" and Impl.calls == 0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.new_group(backend="gloo")
+        assert part("state") == "state"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            pytest.fail("the abort left the default group initialised")
+    assert Impl.calls == 1
+    aborted = float(part.detail.split("backends aborted ")[1].split(" s")[0])
+    assert aborted >= 0.05 and part.detail.endswith("; 2 groups: gloox1, gloox1)"), part.detail
