@@ -2,7 +2,7 @@
 # Where the in-process restart's time goes under entrypoint.sh (ft_launcher, standby) on one GPU: 1b eager, an
 # exception at step 20, snapshots every 10 steps. Variants (VARIANTS, each REPEAT times, interleaved), one process
 # tree each: shipped (only the final save persisted); write-in-flight (every snapshot persisted: step 10's write is
-# in flight at the fault); no-standby (TRAINER_STANDBY=0); no-expandable (expandable segments off). Prints each
+# in flight at the fault); goodput-like (every 20th persisted, as in gpu_suite.sh goodput); no-standby (TRAINER_STANDBY=0); no-expandable (expandable segments off). Prints each
 # rank's "in-process abort" line (every part's seconds), the Wrapper's part split (health checks, garbage
 # collection, the rest) and the recovery's phases.
 #   source bench/gpu_env.sh && bash bench/inprocess_abort_ab.sh      (CFG=tiny on a CPU: a dry run of the script)
@@ -34,9 +34,10 @@ for _ in $(seq "${REPEAT:-1}"); do
     case $variant in
       shipped) EXTRA_ARGS="" run shipped TRAINER_STANDBY=1 ;;
       write-in-flight) EXTRA_ARGS="--checkpoint.persist_every=1" run write-in-flight TRAINER_STANDBY=1 ;;
+      goodput-like) EXTRA_ARGS="--checkpoint.persist_every=20" run goodput-like TRAINER_STANDBY=1 ;;
       no-standby) EXTRA_ARGS="" run no-standby TRAINER_STANDBY=0 ;;
       no-expandable) EXTRA_ARGS="" run no-expandable TRAINER_STANDBY=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False ;;
-      *) echo "inprocess_abort_ab.sh: unknown variant '$variant' (shipped, write-in-flight, no-standby, no-expandable)" >&2
+      *) echo "inprocess_abort_ab.sh: unknown variant '$variant' (shipped, write-in-flight, goodput-like, no-standby, no-expandable)" >&2
          exit 2 ;;
     esac
   done

@@ -108,3 +108,27 @@ def test_auto_rope_is_the_real_kernel_compiled_and_the_complex_one_in_eager_mode
     assert rope_kernel(TrainConfig(compile=False)) == "complex"
     assert rope_kernel(TrainConfig(compile=True, rope_kernel="complex")) == "complex"
     assert rope_kernel(TrainConfig(compile=False, rope_kernel="real")) == "real"
+
+
+def test_triton_kernels_only_in_eager_mode_on_cuda_and_a_missing_triton_is_said_when_asked_for(monkeypatch):
+    """``train.kernels`` (trainer/kernels.py): never on CPU or compiled; ``auto`` falls back to PyTorch's ops without
+    Triton, ``triton`` says what to change."""
+    import sys
+    import types
+
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.parallel import triton_kernels
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "triton", None)  # import fails
+    assert not triton_kernels(TrainConfig(compile=False), cuda)
+    with pytest.raises(ConfigError, match="train.kernels=triton needs Triton .*set train.kernels=auto"):
+        triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    assert triton_kernels(TrainConfig(compile=False), cuda)
+    assert triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda)
+    assert not triton_kernels(TrainConfig(compile=True), cuda)
+    assert not triton_kernels(TrainConfig(compile=False, kernels="torch"), cuda)
+    assert not triton_kernels(TrainConfig(compile=False, kernels="triton"), cpu)
+    with pytest.raises(ConfigError, match="train.kernels"):
+        TrainConfig(kernels="cuda").validate()

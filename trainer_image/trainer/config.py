@@ -206,6 +206,11 @@ class TrainConfig:
     BENCHMARKS.md), ``real`` against ``complex``: +0.2 %, +1.1 % and +1.3 % per step in three device calls, at the
     same peak allocated memory. Its peak *reserved* memory was 3.9 GiB higher once, equal once and 3.8 GiB lower once
     under the default allocator: fragmentation, which ``entrypoint.sh``'s expandable segments remove."""
+    kernels: str = "auto"
+    """Hand-written Triton kernels (``trainer/kernels.py``) for what eager mode runs as several passes: the chunked
+    loss's two kernels and SwiGLU. ``auto``: on CUDA without ``train.compile`` (compiled, Inductor fuses the same
+    ops), if Triton imports; ``triton``: the same, and an error if Triton is missing; ``torch``: PyTorch's own ops.
+    Never on CPU (CPU runs stay bit-identical to their history). Same fp32 arithmetic, one rounding per kernel."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1
@@ -229,6 +234,7 @@ class TrainConfig:
         _choice(self, "train", "reshard_after_forward", ("auto", "always", "never"))
         _choice(self, "train", "single_rank", ("auto", "direct", "fsdp"))
         _choice(self, "train", "rope_kernel", ("auto", "complex", "real"))
+        _choice(self, "train", "kernels", ("auto", "triton", "torch"))
         if self.single_rank == "direct" and self.activation_checkpointing:
             raise ConfigError("train.single_rank=direct cannot recompute activations: set train.single_rank=auto "
                               "(FSDP2 with activation checkpointing) or train.activation_checkpointing=false")

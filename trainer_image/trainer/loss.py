@@ -32,10 +32,11 @@ CHUNK_BYTES = 1 << 30
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build(chunked: bool, compiled: bool, plain: LossFn) -> LossFn:
-    """The loss the model calls: ``ChunkedCrossEntropy`` or ``plain``, compiled when ``compiled``."""
+def build(chunked: bool, compiled: bool, plain: LossFn, triton: bool = False) -> LossFn:
+    """The loss the model calls: ``ChunkedCrossEntropy`` or ``plain``, compiled when ``compiled``; ``triton``
+    (eager mode on CUDA, ``train.kernels``): the chunked loss's kernels from ``trainer/kernels.py``."""
     if chunked:
-        return ChunkedCrossEntropy(compiled)
+        return ChunkedCrossEntropy(compiled, triton=triton and not compiled)
     return torch.compile(plain) if compiled else plain
 
 
@@ -83,11 +84,16 @@ class ChunkedCrossEntropy:
     """Mean cross-entropy of ``logits`` ``[..., vocab]`` against ``targets`` ``[...]``; consumes ``logits``.
 
     Eager, the backward recomputes each chunk's softmax (cheaper in eager kernels than keeping anything);
-    compiled, the forward keeps each row's log-sum-exp and the backward is a single pointwise kernel."""
+    compiled, the forward keeps each row's log-sum-exp and the backward is a single pointwise kernel; ``triton``:
+    the same two kernels written by hand (``trainer/kernels.py``), over all rows at once (no fp32 working set)."""
 
-    def __init__(self, compiled: bool = False) -> None:
-        self.compiled = compiled
-        if compiled:
+    def __init__(self, compiled: bool = False, triton: bool = False) -> None:
+        self.compiled, self.one_chunk = compiled, triton
+        if triton:
+            from trainer import kernels
+
+            self.forward_chunk, self.backward_chunk = kernels.cross_entropy_forward, kernels.cross_entropy_backward
+        elif compiled:
             self.forward_chunk = torch.compile(fused_forward, dynamic=False)
             self.backward_chunk = torch.compile(fused_backward, dynamic=False)
         else:
@@ -101,7 +107,7 @@ class _InPlaceCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, kernels: ChunkedCrossEntropy) -> torch.Tensor:
         flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        chunks = row_chunks(*flat.shape)
+        chunks = [(0, flat.shape[0])] if kernels.one_chunk else row_chunks(*flat.shape)
         total, saved = None, []
         for start, stop in chunks:
             part, keep = kernels.forward_chunk(flat[start:stop], flat_targets[start:stop])

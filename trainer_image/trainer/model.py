@@ -108,7 +108,15 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
 class FeedForward(nn.Module):
+    activation = staticmethod(swiglu)
+    """``silu(w1 x) * w3 x``; replaced by ``trainer/kernels.py``'s one-kernel version by ``train.kernels``
+    (``parallel.apply_fsdp``)."""
+
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -116,7 +124,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.activation(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):

@@ -14,7 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer import loss
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.onerank import OneRank, clip_grad_norm_  # noqa: F401  (re-exported for the loop)
 
 
@@ -177,6 +177,19 @@ def rope_kernel(cfg: TrainConfig) -> str:
     return "real" if cfg.compile else "complex"
 
 
+def triton_kernels(cfg: TrainConfig, device: torch.device) -> bool:
+    """``train.kernels`` resolved: whether ``trainer/kernels.py`` runs the eager loss and SwiGLU."""
+    if cfg.kernels == "torch" or cfg.compile or device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401  (part of PyTorch's CUDA builds)
+    except ImportError as exc:
+        if cfg.kernels == "triton":
+            raise ConfigError(f"train.kernels=triton needs Triton ({exc}): install it, or set train.kernels=auto")
+        return False
+    return True
+
+
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
     """The execution choices of ``[train]``: the RoPE kernel and the loss, activation checkpointing and
     ``torch.compile`` per block (optional), then FSDP2 units: each block, the embedding, [final norm, output],
@@ -199,8 +212,13 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     # auto: FSDP2 with more ranks (with one, its gather again is a copy that costs time); OneRank always (a cast)
     reshard = {"auto": dist.get_world_size() > 1 or direct, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
+    triton = triton_kernels(cfg, device)
+    if triton:
+        from trainer import kernels
     for idx, block in enumerate(layers):
         block.attention.rope_kernel = rope_kernel(cfg)
+        if triton:
+            block.feed_forward.activation = kernels.swiglu
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
@@ -211,7 +229,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     compile_loss = cfg.compile and cfg.compile_loss
     if compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
-    model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn)  # type: ignore[assignment]
+    model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn,  # type: ignore[assignment]
+                               triton=triton)
     if direct:
         blocks = list(layers)[:-1] if reshard else []  # the last one: as above
         return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks)

@@ -1,0 +1,110 @@
+"""trainer/kernels.py against PyTorch's eager ops on the GPU, at the ``1b`` run's shapes: the largest difference of
+each output (Triton against eager, both against an fp32 reference) and each side's time on the GPU's timeline.
+
+    source bench/gpu_env.sh && python bench/kernels_check.py        (a CUDA machine with Triton; ~20 s)
+    TRITON_INTERPRET=1 python bench/kernels_check.py --dry-run       (a CPU with Triton installed: small shapes)
+
+One JSON line per kernel: {"figure": "kernel_check", "kernel", "max_err_triton", "max_err_eager", "eager_ms",
+"triton_ms", "bf16_ulp"}. ``max_err_*``: the largest absolute difference from the fp32 reference; the Triton kernel
+passes when it is no larger than twice eager PyTorch's own or than one bf16 unit in the last place of the largest
+reference value (``bf16_ulp``: both round to bf16 once or more). Exit 1 when one does not.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
+from trainer import kernels, loss  # noqa: E402
+
+TOKENS, VOCAB, FFN = 4 * 4096, 128_256, 8192
+DEVICE = "cuda"
+if "--dry-run" in sys.argv:  # TRITON_INTERPRET=1 on a CPU: the script's logic at small shapes, no timings
+    TOKENS, VOCAB, FFN, DEVICE = 64, 5000, 256, "cpu"
+
+
+def gpu_ms(fn, repeat: int = 10) -> float:
+    if DEVICE == "cpu":
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def check_loss() -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = (torch.randn(TOKENS, VOCAB, device=DEVICE, generator=gen) * 2).bfloat16()
+    targets = torch.randint(0, VOCAB, (TOKENS,), device=DEVICE, generator=gen)
+    ref = logits.float().requires_grad_()
+    ref_loss = F.cross_entropy(ref, targets)
+    ref_loss.backward()
+
+    def run(triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.clone().requires_grad_()
+        y = x * 1  # the loss consumes (overwrites) its input
+        out = loss.ChunkedCrossEntropy(triton=triton)(y, targets)
+        out.backward()
+        return out.detach(), x.grad
+
+    results = {"bf16_ulp": float(ref.grad.abs().max()) * 2 ** -7}
+    for name, triton in (("eager", False), ("triton", True)):
+        value, grad = run(triton)
+        err = max(float((value - ref_loss.detach()).abs()), float((grad.float() - ref.grad).abs().max()))
+        results[f"max_err_{name}"] = err
+        results[f"{name}_ms"] = round(gpu_ms(lambda triton=triton: run(triton)), 3)
+        del value, grad
+    return {"kernel": "cross_entropy (forward + backward, with one copy of the logits)", **results}
+
+
+def check_swiglu() -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    a = torch.randn(TOKENS, FFN, device=DEVICE, generator=gen).bfloat16()
+    b = torch.randn(TOKENS, FFN, device=DEVICE, generator=gen).bfloat16()
+    grad = torch.randn(TOKENS, FFN, device=DEVICE, generator=gen).bfloat16()
+    ra, rb = a.float().requires_grad_(), b.float().requires_grad_()
+    ref = F.silu(ra) * rb
+    ref.backward(grad.float())
+    results = {"bf16_ulp": max(float(t.detach().abs().max()) for t in (ref, ra.grad, rb.grad)) * 2 ** -7}
+    for name, fn in (("eager", lambda x, y: F.silu(x) * y), ("triton", kernels.swiglu)):
+        x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = fn(x, y)
+        out.backward(grad)
+        results[f"max_err_{name}"] = max(float((out.detach().float() - ref.detach()).abs().max()),
+                                         float((x.grad.float() - ra.grad).abs().max()),
+                                         float((y.grad.float() - rb.grad).abs().max()))
+
+        def step(fn=fn):
+            x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+            fn(x, y).backward(grad)
+
+        results[f"{name}_ms"] = round(gpu_ms(step), 3)
+    return {"kernel": "swiglu (forward + backward, with copies of a and b)", **results}
+
+
+def main() -> int:
+    ok = True
+    for check in (check_loss, check_swiglu):
+        line = {"figure": "kernel_check", **check()}
+        line["passed"] = line["max_err_triton"] <= max(2 * line["max_err_eager"], line["bf16_ulp"])
+        ok &= line["passed"]
+        print(json.dumps(line), flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
