@@ -373,3 +373,32 @@ def test_heartbeat_timeouts_are_learned_at_the_second_save_then_every_tenth_and_
     assert asked_at == [2, 12, 22, 32, 42]
     logged = [r.getMessage() for r in caplog.records if "in-job heartbeat timeouts" in r.getMessage()]
     assert len(logged) == 2, logged  # subsequent 30 (calls 1-2), then 31 (calls 3-5)
+
+
+def test_one_rank_learns_heartbeat_timeouts_without_a_collective(monkeypatch):
+    """NVRx's timeout calculator all-reduces on the default group even with one rank: on NCCL that made a one-rank
+    communicator, which every in-process abort after it tore down (0.72-1.0 s on an H200, 2 ms before it)."""
+    import torch.distributed as dist
+    from nvidia_resiliency_ext.fault_tolerance.timeouts_calc import TimeoutsCalc
+
+    from trainer.resiliency import Heartbeat
+
+    hb = Heartbeat(floor_s=None)
+    calc = hb.client.timeouts_calc = TimeoutsCalc(sections=[], safety_factor=5.0)
+    calc.update_on_heartbeat()
+    calc.update_on_heartbeat()
+
+    def calculate(skip_if_not_ready: bool) -> bool:  # RankMonitorClient's, without its rank monitor connection
+        calc.synchronize_all()
+        return False
+
+    monkeypatch.setattr(hb.client, "calculate_and_set_hb_timeouts", calculate)
+    reduced: list = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: reduced.append(args))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(3):  # the timeouts are learned at the second save
+            hb.on_save()
+    finally:
+        dist.destroy_process_group()
+    assert hb.saves == 3 and reduced == []

@@ -7,13 +7,20 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
+import torch.distributed as dist
+
 from trainer.config import ConfigError
 from trainer.exitcodes import ExitCode, TrainerExit
 
 log = logging.getLogger("trainer.resiliency")
 
 SAVES_BEFORE_TIMEOUT_CALC = 2  # compute heartbeat timeouts once an interval containing a save was seen, then again
-TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the training group, then 3 host syncs (.item())
+TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the training group (not with one rank: on_save),
+# then 3 host syncs (.item())
+
+
+def _one_rank_has_nothing_to_synchronize() -> None:
+    return None
 
 
 # --- in-job layer: heartbeats -------------------------------------------------------------------------
@@ -69,6 +76,13 @@ class Heartbeat(NullHeartbeat):
         self.saves += 1
         if self.saves < SAVES_BEFORE_TIMEOUT_CALC or (self.saves - SAVES_BEFORE_TIMEOUT_CALC) % TIMEOUT_CALC_EVERY_SAVES:
             return
+        calc = getattr(self.client, "timeouts_calc", None)
+        if calc is not None and dist.is_initialized() and dist.get_world_size() == 1:
+            # NVRx's TimeoutsCalc.synchronize_all all-reduces the measured times on the default group even with one
+            # rank: on NCCL that made a one-rank communicator (at the second save), and every in-process abort after
+            # it tore that down (0.72-1.0 s on an H200, against 2 ms before it: BENCHMARKS.md, session 12). With one
+            # rank the maximum over the ranks is this rank's own.
+            calc.synchronize_all = _one_rank_has_nothing_to_synchronize
         with self._monitor_link("send heartbeat timeouts to"):
             learned = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
         if learned:
