@@ -5,7 +5,7 @@ each output (Triton against eager, both against an fp32 reference) and each side
     TRITON_INTERPRET=1 python bench/kernels_check.py --dry-run       (a CPU with Triton installed: small shapes)
 
 One JSON line per kernel: {"figure": "kernel_check", "kernel", "max_err_triton", "max_err_eager", "eager_ms",
-"triton_ms", "bf16_ulp"}. ``max_err_*``: the largest absolute difference from the fp32 reference; the Triton kernel
+"triton_ms", "bf16_ulp"}; the gradient pass's must be bit-identical (``tensors_not_bit_identical``: 0). ``max_err_*``: the largest absolute difference from the fp32 reference; the Triton kernel
 passes when it is no larger than twice eager PyTorch's own or than one bf16 unit in the last place of the largest
 reference value (``bf16_ulp``: both round to bf16 once or more). Exit 1 when one does not.
 """
@@ -94,9 +94,34 @@ def check_swiglu() -> dict:
     return {"kernel": "swiglu (forward + backward, with copies of a and b)", **results}
 
 
+def check_grad_upcast() -> dict:
+    """One rank's gradient pass: every ``1b`` gradient (bf16) to fp32 times a coefficient; bit for bit."""
+    from trainer.config import load_config
+    from trainer.model import Transformer
+
+    cfg = load_config("1b", ["data.path=unused"]).model
+    if DEVICE == "cpu":
+        cfg.dim, cfg.n_layers, cfg.ffn_dim, cfg.vocab_size = 256, 2, 512, VOCAB
+    with torch.device("meta"):
+        shapes = [p.shape for p in Transformer(cfg, 64).parameters()]
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    grads = [torch.randn(shape, device=DEVICE, generator=gen).bfloat16() for shape in shapes]
+    coef = torch.tensor([0.37], device=DEVICE)
+    eager = [torch.mul(g, coef, out=torch.empty_like(g, dtype=torch.float32)) for g in grads]
+    mine = [kernels.scaled_upcast(g, coef) for g in grads]
+    differ = sum(int(not torch.equal(a, b)) for a, b in zip(eager, mine))
+    del eager, mine
+    results = {"tensors": len(grads), "tensors_not_bit_identical": differ,
+               "max_err_eager": 0.0, "max_err_triton": 0.0 if differ == 0 else float("inf"), "bf16_ulp": 0.0}
+    results["eager_ms"] = round(gpu_ms(lambda: [torch.mul(g, coef, out=torch.empty_like(g, dtype=torch.float32))
+                                                 for g in grads]), 3)
+    results["triton_ms"] = round(gpu_ms(lambda: [kernels.scaled_upcast(g, coef) for g in grads]), 3)
+    return {"kernel": "grad_upcast (every 1b gradient, bf16 -> fp32 x coefficient)", **results}
+
+
 def main() -> int:
     ok = True
-    for check in (check_loss, check_swiglu):
+    for check in (check_loss, check_swiglu, check_grad_upcast):
         line = {"figure": "kernel_check", **check()}
         line["passed"] = line["max_err_triton"] <= max(2 * line["max_err_eager"], line["bf16_ulp"])
         ok &= line["passed"]

@@ -9,6 +9,7 @@
 #             then interleaved, one process each, STEPS (40) steps: ours-compiled (trainer_image/entrypoint.sh:
 #             ft_launcher heartbeats, in-process Wrapper, every recovery layer on; the 1b TOML's defaults: compile
 #             on, log_every 10), titan-compiled (bench/anchor_torchtitan.py), ours-eager, titan-eager
+#             (HEADLINE_MODES, default "compiled eager": which pairs run)
 #   loo       leave-one-out, one process per mode (bench/trainer_run.py --variants, recovery layers on, no
 #             ft_launcher), LOO_STOP (25) steps per variant: loo-compiled (every change on; then 3 steps profiled:
 #             its top kernels in the JSON line, profile.txt in runs.tar.gz) then each change off, and the recovery
@@ -129,10 +130,14 @@ part_headline() {
   say "torchtitan flavour check (no training)"
   PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout 60 python3 bench/anchor_torchtitan.py \
     --config "$CONFIG" --check 2>>"$LOG" | fig
-  production ours-compiled 80 --train.compile=true
-  titan titan-compiled 100 --compile
-  production ours-eager 45 --train.compile=false
-  titan titan-eager 55 --no-compile
+  if [[ " ${HEADLINE_MODES:-compiled eager} " == *" compiled "* ]]; then
+    production ours-compiled 80 --train.compile=true
+    titan titan-compiled 100 --compile
+  fi
+  if [[ " ${HEADLINE_MODES:-compiled eager} " == *" eager "* ]]; then
+    production ours-eager 45 --train.compile=false
+    titan titan-eager 55 --no-compile
+  fi
 }
 
 part_alloc() {  # the headline's two trainer rows again with the allocator settings torchtitan's runs get

@@ -125,9 +125,10 @@ def test_triton_kernels_only_in_eager_mode_on_cuda_and_a_missing_triton_is_said_
     with pytest.raises(ConfigError, match="train.kernels=triton needs Triton .*set train.kernels=auto"):
         triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda)
     monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
-    assert triton_kernels(TrainConfig(compile=False), cuda)
-    assert triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda)
-    assert not triton_kernels(TrainConfig(compile=True), cuda)
+    every = {"loss", "swiglu", "grad_upcast"}
+    assert triton_kernels(TrainConfig(compile=False), cuda) == every
+    assert triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda) == every
+    assert triton_kernels(TrainConfig(compile=True), cuda) == {"grad_upcast"}  # outside the compiled graphs
     assert not triton_kernels(TrainConfig(compile=False, kernels="torch"), cuda)
     assert not triton_kernels(TrainConfig(compile=False, kernels="triton"), cpu)
     with pytest.raises(ConfigError, match="train.kernels"):

@@ -207,10 +207,11 @@ class TrainConfig:
     same peak allocated memory. Its peak *reserved* memory was 3.9 GiB higher once, equal once and 3.8 GiB lower once
     under the default allocator: fragmentation, which ``entrypoint.sh``'s expandable segments remove."""
     kernels: str = "auto"
-    """Hand-written Triton kernels (``trainer/kernels.py``) for what eager mode runs as several passes: the chunked
-    loss's two kernels and SwiGLU. ``auto``: on CUDA without ``train.compile`` (compiled, Inductor fuses the same
-    ops), if Triton imports; ``triton``: the same, and an error if Triton is missing; ``torch``: PyTorch's own ops.
-    Never on CPU (CPU runs stay bit-identical to their history). Same fp32 arithmetic, one rounding per kernel."""
+    """Hand-written Triton kernels (``trainer/kernels.py``) for what PyTorch runs as several passes or through a slow
+    path: the chunked loss's two kernels and SwiGLU (eager mode only: compiled, Inductor fuses the same ops) and one
+    rank's gradients to fp32 (both modes). ``auto``: on CUDA, if Triton imports; ``triton``: the same, and an error
+    if Triton is missing; ``torch``: PyTorch's own ops. Never on CPU (CPU runs stay bit-identical to their history).
+    Same fp32 arithmetic, one rounding per kernel."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1

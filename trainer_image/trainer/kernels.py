@@ -8,10 +8,13 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
   the target's log-probability; ``cross_entropy_backward``: ``(exp(logit - lse) - one_hot) * scale`` written over
   the logits (one read, one write). ``trainer/loss.py`` calls them as its chunk kernels, one chunk for all rows;
 - ``swiglu``: ``silu(a) * b`` forward, and ``(da, db)`` in one backward kernel; it saves ``a`` and ``b`` for the
-  backward, not also ``silu(a)`` as eager autograd does (``1b``: 16 x 256 MiB less at the step's peak).
+  backward, not also ``silu(a)`` as eager autograd does (``1b``: 16 x 256 MiB less at the step's peak);
+- ``scaled_upcast``: one rank's gradients to fp32 times clipping's coefficient (``trainer/onerank.py``), compiled or
+  not (that pass is outside the compiled graphs), bit-identical to the ``torch.mul`` it replaces.
 
-``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA in eager mode when Triton imports,
-never on CPU, so CPU runs stay bit-identical to their history. Imported only when chosen (Triton is part of
+``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (the loss and
+SwiGLU only in eager mode: compiled, Inductor fuses those), never on CPU, so CPU runs stay bit-identical to their
+history. Imported only when chosen (Triton is part of
 PyTorch's CUDA builds, not of its CPU wheels).
 """
 
@@ -24,6 +27,7 @@ import triton.language as tl
 LOSS_BLOCK = 4096
 """Vocabulary columns one program reads at a time (``1b``'s 128,256 columns: 32 blocks, the last partial)."""
 POINTWISE_BLOCK = 1024
+UPCAST_BLOCK = 4096
 
 
 @triton.jit
@@ -119,6 +123,26 @@ class _SwiGLU(torch.autograd.Function):
         _swiglu_backward_kernel[(triton.cdiv(n, POINTWISE_BLOCK),)](grad, a, b, grad_a, grad_b, n,
                                                                     BLOCK=POINTWISE_BLOCK)
         return grad_a, grad_b
+
+
+@triton.jit
+def _scaled_upcast_kernel(src, out, coef, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = tl.load(src + offsets, mask=inside, other=0.0)
+    tl.store(out + offsets, x.to(tl.float32) * tl.load(coef), mask=inside)
+
+
+def scaled_upcast(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``torch.mul(grad, coef, out=<fp32>)`` for a contiguous gradient, bit for bit (the same fp32 product, one
+    rounding), in a kernel with vectorised loads: PyTorch runs a mixed-dtype multiply through its element-at-a-time
+    path (``1b``'s 147 gradients: 6.1 ms against a 2.4 ms copy floor, ``bench/onerank_probe.py cast``)."""
+    if not grad.is_contiguous():
+        return torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
+    out = torch.empty_like(grad, dtype=torch.float32)
+    n = grad.numel()
+    _scaled_upcast_kernel[(triton.cdiv(n, UPCAST_BLOCK),)](grad, out, coef, n, BLOCK=UPCAST_BLOCK)
+    return out
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ the modules: with it, one rank uses FSDP2 (``train.single_rank=auto``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -50,12 +50,21 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_leaves
 
 
+Upcast = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _scaled_upcast(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    return torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
+
+
 class OneRank:
     """The model's parameters as one-rank DTensors, copied to ``compute_dtype`` for each forward and backward."""
 
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device, grad_clip: float,
-                 reshard_blocks: Sequence[nn.Module] = ()) -> None:
+                 reshard_blocks: Sequence[nn.Module] = (), scaled_upcast: Upcast | None = None) -> None:
         self.compute_dtype = compute_dtype
+        self.scaled_upcast = scaled_upcast or _scaled_upcast
+        """(gradient, coefficient) -> the fp32 gradient times it: ``torch.mul``, or ``trainer/kernels.py``'s."""
         self.grad_clip = grad_clip
         self.mesh = init_device_mesh(device.type, (1,))
         self.masters: list[nn.Parameter] = []
@@ -91,10 +100,11 @@ class OneRank:
 
     @classmethod
     def apply(cls, model: nn.Module, compute_dtype: torch.dtype, device: torch.device,
-              grad_clip: float = 0.0, reshard_blocks: Sequence[nn.Module] = ()) -> nn.Module:
+              grad_clip: float = 0.0, reshard_blocks: Sequence[nn.Module] = (),
+              scaled_upcast: Upcast | None = None) -> nn.Module:
         """``model`` run by a ``OneRank``; ``reshard_blocks``: submodules whose copies are freed after their forward
         and cast again for their backward (a module wrapped by ``torch.compile``: the wrapper, as called)."""
-        one_rank = cls(model, compute_dtype, device, grad_clip, reshard_blocks)
+        one_rank = cls(model, compute_dtype, device, grad_clip, reshard_blocks, scaled_upcast)
         model.register_forward_pre_hook(one_rank.before_forward)
         model.register_forward_hook(one_rank.after_forward, always_call=True)  # also when the forward raises
         for block, own in one_rank.resharded:
@@ -192,7 +202,7 @@ class OneRank:
                 if grad is None:
                     continue
                 if coef is not None:  # a 1-element tensor: fp32 arithmetic on the upcast values, one pass
-                    grad32 = torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
+                    grad32 = self.scaled_upcast(grad, coef)
                 else:
                     grad32 = grad.to(torch.float32)
                 del grad

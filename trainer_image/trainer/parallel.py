@@ -177,17 +177,18 @@ def rope_kernel(cfg: TrainConfig) -> str:
     return "real" if cfg.compile else "complex"
 
 
-def triton_kernels(cfg: TrainConfig, device: torch.device) -> bool:
-    """``train.kernels`` resolved: whether ``trainer/kernels.py`` runs the eager loss and SwiGLU."""
-    if cfg.kernels == "torch" or cfg.compile or device.type != "cuda":
-        return False
+def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
+    """``train.kernels`` resolved: which of ``trainer/kernels.py``'s run: ``loss`` and ``swiglu`` in eager mode,
+    ``grad_upcast`` (one rank's gradient pass, outside the compiled graphs) compiled too; none on CPU."""
+    if cfg.kernels == "torch" or device.type != "cuda":
+        return frozenset()
     try:
         import triton  # noqa: F401  (part of PyTorch's CUDA builds)
     except ImportError as exc:
         if cfg.kernels == "triton":
             raise ConfigError(f"train.kernels=triton needs Triton ({exc}): install it, or set train.kernels=auto")
-        return False
-    return True
+        return frozenset()
+    return frozenset({"grad_upcast"} if cfg.compile else {"loss", "swiglu", "grad_upcast"})
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
@@ -217,7 +218,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
         from trainer import kernels
     for idx, block in enumerate(layers):
         block.attention.rope_kernel = rope_kernel(cfg)
-        if triton:
+        if "swiglu" in triton:
             block.feed_forward.activation = kernels.swiglu
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -230,10 +231,11 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     if compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
     model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn,  # type: ignore[assignment]
-                               triton=triton)
+                               triton="loss" in triton)
     if direct:
         blocks = list(layers)[:-1] if reshard else []  # the last one: as above
-        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks)
+        return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks,
+                             scaled_upcast=kernels.scaled_upcast if "grad_upcast" in triton else None)
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
         fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]
