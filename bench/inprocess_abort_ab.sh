@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Where the in-process restart's time goes under entrypoint.sh (ft_launcher, standby) on one GPU: 1b eager, an
-# exception at step 20, snapshots every 10 steps. Variants (VARIANTS, each REPEAT times, interleaved), one process
-# tree each: shipped (only the final save persisted); write-in-flight (every snapshot persisted: step 10's write is
-# in flight at the fault); goodput-like (every 20th persisted, as in gpu_suite.sh goodput); no-standby (TRAINER_STANDBY=0); no-expandable (expandable segments off). Prints each
-# rank's "in-process abort" line (every part's seconds), the Wrapper's part split (health checks, garbage
-# collection, the rest) and the recovery's phases.
+# exception at step 20 (FAULT_STEP), snapshots every 10 steps. Variants (VARIANTS, each REPEAT times, interleaved),
+# one process tree each: shipped (only the final save persisted); write-in-flight (every snapshot persisted: step
+# 10's write is in flight at the fault); goodput-like (every 20th persisted, as in gpu_suite.sh goodput);
+# no-standby (TRAINER_STANDBY=0); no-expandable (expandable segments off). Prints each rank's "in-process abort"
+# line (every part's seconds, the torch.distributed part's two steps and its groups), the Wrapper's part split
+# (health checks, garbage collection, the rest) and the recovery's phases.
 #   source bench/gpu_env.sh && bash bench/inprocess_abort_ab.sh      (CFG=tiny on a CPU: a dry run of the script)
 #   VARIANTS="shipped write-in-flight" REPEAT=3 bash bench/inprocess_abort_ab.sh
 #   FAULT_STEP=205 (default 20): the exception later in the run (the run is FAULT_STEP + 10 steps)

@@ -66,6 +66,7 @@ def _ce_backward_kernel(logits, row_stride, targets, lse_in, scale, n_cols, BLOC
 
 def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over the rows of ``log_softmax(logits.float())[row, target]``, each row's fp32 log-sum-exp)."""
+    _check_rows(logits, targets)
     rows, cols = logits.shape
     log_prob = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -75,8 +76,17 @@ def cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[
 
 def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> None:
     """``logits <- (softmax(logits.float()) - one_hot(targets)) * scale``, in place, in one pass."""
+    _check_rows(logits, targets)
     rows, cols = logits.shape
     _ce_backward_kernel[(rows,)](logits, logits.stride(0), targets, lse, scale.reshape(1), cols, BLOCK=LOSS_BLOCK)
+
+
+def _check_rows(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """The kernels index a row's columns from its start: rows of unit stride, one target per row."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or targets.shape != logits.shape[:1] or not targets.is_contiguous():
+        raise ValueError(f"cross-entropy kernels need [rows, vocab] logits with unit column stride and [rows] "
+                         f"contiguous targets; got {tuple(logits.shape)} stride {logits.stride()} and targets "
+                         f"{tuple(targets.shape)}")
 
 
 @triton.jit
