@@ -129,6 +129,7 @@ def test_triton_kernels_only_in_eager_mode_on_cuda_and_a_missing_triton_is_said_
     assert triton_kernels(TrainConfig(compile=False), cuda) == every
     assert triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda) == every
     assert triton_kernels(TrainConfig(compile=True), cuda) == {"grad_upcast"}  # outside the compiled graphs
+    assert triton_kernels(TrainConfig(compile=True, kernels="triton"), cuda) == {"loss", "grad_upcast"}
     assert not triton_kernels(TrainConfig(compile=False, kernels="torch"), cuda)
     assert not triton_kernels(TrainConfig(compile=False, kernels="triton"), cpu)
     with pytest.raises(ConfigError, match="train.kernels"):

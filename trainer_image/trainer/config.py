@@ -209,9 +209,10 @@ class TrainConfig:
     kernels: str = "auto"
     """Hand-written Triton kernels (``trainer/kernels.py``) for what PyTorch runs as several passes or through a slow
     path: the chunked loss's two kernels and SwiGLU (eager mode only: compiled, Inductor fuses the same ops) and one
-    rank's gradients to fp32 (both modes). ``auto``: on CUDA, if Triton imports; ``triton``: the same, and an error
-    if Triton is missing; ``torch``: PyTorch's own ops. Never on CPU (CPU runs stay bit-identical to their history).
-    Same fp32 arithmetic, one rounding per kernel."""
+    rank's gradients to fp32 (both modes). ``auto``: on CUDA, if Triton imports; ``triton``: the same, the loss's
+    kernels compiled too (instead of Inductor's: an A/B, not measured yet), and an error if Triton is missing;
+    ``torch``: PyTorch's own ops. Never on CPU (CPU runs stay bit-identical to their history). Same fp32 arithmetic,
+    one rounding per kernel."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1

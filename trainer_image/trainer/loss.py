@@ -34,9 +34,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def build(chunked: bool, compiled: bool, plain: LossFn, triton: bool = False) -> LossFn:
     """The loss the model calls: ``ChunkedCrossEntropy`` or ``plain``, compiled when ``compiled``; ``triton``
-    (eager mode on CUDA, ``train.kernels``): the chunked loss's kernels from ``trainer/kernels.py``."""
+    (CUDA, ``train.kernels``): the chunked loss's kernels from ``trainer/kernels.py``, compiled or not."""
     if chunked:
-        return ChunkedCrossEntropy(compiled, triton=triton and not compiled)
+        return ChunkedCrossEntropy(compiled, triton=triton)
     return torch.compile(plain) if compiled else plain
 
 

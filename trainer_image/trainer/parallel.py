@@ -179,7 +179,8 @@ def rope_kernel(cfg: TrainConfig) -> str:
 
 def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
     """``train.kernels`` resolved: which of ``trainer/kernels.py``'s run: ``loss`` and ``swiglu`` in eager mode,
-    ``grad_upcast`` (one rank's gradient pass, outside the compiled graphs) compiled too; none on CPU."""
+    ``grad_upcast`` (one rank's gradient pass, outside the compiled graphs) compiled too, and with ``triton`` the
+    loss also compiled (instead of Inductor's chunk kernels); none on CPU."""
     if cfg.kernels == "torch" or device.type != "cuda":
         return frozenset()
     try:
@@ -188,7 +189,9 @@ def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
         if cfg.kernels == "triton":
             raise ConfigError(f"train.kernels=triton needs Triton ({exc}): install it, or set train.kernels=auto")
         return frozenset()
-    return frozenset({"grad_upcast"} if cfg.compile else {"loss", "swiglu", "grad_upcast"})
+    if not cfg.compile:
+        return frozenset({"loss", "swiglu", "grad_upcast"})
+    return frozenset({"loss", "grad_upcast"} if cfg.kernels == "triton" else {"grad_upcast"})
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
