@@ -169,3 +169,48 @@ def test_compiled_blocks_take_the_casts_as_inputs_without_recompiling(pg):
     eager, _, _ = train(build("direct", "bf16", CLIP))
     assert losses != eager, "compiled code ran"
     assert losses == pytest.approx(eager, rel=2e-2), "the compiled model computes what the eager one does"
+
+
+def test_the_chosen_triton_kernels_are_the_ones_the_step_calls(pg, monkeypatch):
+    """``train.kernels`` wiring (``parallel.apply_fsdp``): with the kernels chosen, SwiGLU, the loss's two kernels
+    (one chunk) and one rank's gradient pass go through ``trainer/kernels.py``, and the step's loss and gradients
+    are what PyTorch's ops give. Triton is not needed here: its module is replaced by these PyTorch versions."""
+    import collections
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    import trainer
+    from trainer import loss as loss_mod
+    from trainer import parallel
+
+    calls: collections.Counter = collections.Counter()
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    fake = types.ModuleType("trainer.kernels")
+    fake.swiglu = counted("swiglu", lambda a, b: F.silu(a) * b)
+    fake.cross_entropy_forward = counted("loss_forward", loss_mod.eager_forward)
+    fake.cross_entropy_backward = counted("loss_backward", loss_mod.eager_backward)
+    fake.scaled_upcast = counted("grad_upcast", lambda g, c: torch.mul(g, c, out=torch.empty_like(g, dtype=torch.float32)))
+    monkeypatch.setitem(sys.modules, "trainer.kernels", fake)
+    monkeypatch.setattr(trainer, "kernels", fake, raising=False)
+
+    def run(chosen: frozenset) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(parallel, "triton_kernels", lambda cfg, device: chosen)
+        model = build("direct", "bf16", grad_clip=CLIP)
+        loss = model(*batch(1))
+        loss.backward()
+        return loss.detach(), [p.grad.to_local().clone() for p in model.parameters()]
+
+    plain_loss, plain_grads = run(frozenset())
+    assert not calls
+    loss, grads = run(frozenset({"loss", "swiglu", "grad_upcast"}))
+    n_params = len(grads)
+    assert calls == {"swiglu": MODEL.n_layers, "loss_forward": 1, "loss_backward": 1, "grad_upcast": n_params}
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
