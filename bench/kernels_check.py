@@ -5,9 +5,10 @@ each output (Triton against eager, both against an fp32 reference) and each side
     TRITON_INTERPRET=1 python bench/kernels_check.py --dry-run       (a CPU with Triton installed: small shapes)
 
 One JSON line per kernel: {"figure": "kernel_check", "kernel", "max_err_triton", "max_err_eager", "eager_ms",
-"triton_ms", "bf16_ulp"}; the gradient pass's must be bit-identical (``tensors_not_bit_identical``: 0). ``max_err_*``: the largest absolute difference from the fp32 reference; the Triton kernel
+"triton_ms", "bf16_ulp"}. ``max_err_*``: the largest absolute difference from the fp32 reference; the Triton kernel
 passes when it is no larger than twice eager PyTorch's own or than one bf16 unit in the last place of the largest
-reference value (``bf16_ulp``: both round to bf16 once or more). Exit 1 when one does not.
+reference value (``bf16_ulp``: both round to bf16 once or more). The gradient pass's must be bit-identical
+(``tensors_not_bit_identical``: 0). Exit 1 when one does not pass.
 """
 
 from __future__ import annotations

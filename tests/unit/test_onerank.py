@@ -197,7 +197,8 @@ def test_the_chosen_triton_kernels_are_the_ones_the_step_calls(pg, monkeypatch):
     fake.swiglu = counted("swiglu", lambda a, b: F.silu(a) * b)
     fake.cross_entropy_forward = counted("loss_forward", loss_mod.eager_forward)
     fake.cross_entropy_backward = counted("loss_backward", loss_mod.eager_backward)
-    fake.scaled_upcast = counted("grad_upcast", lambda g, c: torch.mul(g, c, out=torch.empty_like(g, dtype=torch.float32)))
+    fake.scaled_upcast = counted("grad_upcast",
+                                 lambda g, c: torch.mul(g, c, out=torch.empty_like(g, dtype=torch.float32)))
     monkeypatch.setitem(sys.modules, "trainer.kernels", fake)
     monkeypatch.setattr(trainer, "kernels", fake, raising=False)
 
