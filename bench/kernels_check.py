@@ -120,9 +120,60 @@ def check_grad_upcast() -> dict:
     return {"kernel": "grad_upcast (every 1b gradient, bf16 -> fp32 x coefficient)", **results}
 
 
+def check_adamw() -> dict:
+    """One AdamW step over every ``1b`` parameter: the gradient pass then PyTorch's fused AdamW (the default), against
+    ``adamw_step`` reading the bf16 gradients and the coefficient itself (``optim.implementation=triton``)."""
+    from trainer.config import load_config
+    from trainer.model import Transformer
+
+    cfg = load_config("1b", ["data.path=unused"]).model
+    if DEVICE == "cpu":
+        cfg.dim, cfg.n_layers, cfg.ffn_dim, cfg.vocab_size = 256, 2, 512, VOCAB
+    with torch.device("meta"):
+        shapes = [p.shape for p in Transformer(cfg, 64).parameters()]
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    params = [torch.randn(shape, device=DEVICE, generator=gen) for shape in shapes]
+    grads = [torch.randn(shape, device=DEVICE, generator=gen).bfloat16() for shape in shapes]
+    coef = torch.tensor([0.37], device=DEVICE)
+    hyper = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def torch_side() -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        leaves = [torch.nn.Parameter(p.clone()) for p in params]
+        opt = torch.optim.AdamW(leaves, fused=DEVICE == "cuda", foreach=False if DEVICE == "cpu" else None, **hyper)
+        return leaves, opt
+
+    def torch_step(leaves, opt) -> None:
+        for leaf, g in zip(leaves, grads):
+            leaf.grad = torch.mul(g, coef, out=torch.empty_like(g, dtype=torch.float32))
+        opt.step()
+
+    def triton_side() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        return [p.clone() for p in params], [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+
+    def triton_step(ps, ms, vs, step=1.0) -> None:
+        for p, g, m, v in zip(ps, grads, ms, vs):
+            kernels.adamw_step(p, g, m, v, coef, lr=hyper["lr"], beta1=0.9, beta2=0.95, eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"], step=step)
+
+    leaves, opt = torch_side()
+    torch_step(leaves, opt)
+    ps, ms, vs = triton_side()
+    triton_step(ps, ms, vs)
+    err = max(float((a.detach() - b).abs().max()) for a, b in zip(leaves, ps))
+    scale = max(float(p.abs().max()) for p in params)
+    results = {"tensors": len(params), "max_err_eager": 0.0, "max_err_triton": err,
+               "bf16_ulp": scale * 2.0 ** -22}  # here: 2 fp32 ulps of the largest parameter (no bf16 rounding)
+    del ps, ms, vs
+    results["eager_ms"] = round(gpu_ms(lambda: torch_step(leaves, opt)), 3)
+    del leaves, opt
+    ps, ms, vs = triton_side()
+    results["triton_ms"] = round(gpu_ms(lambda: triton_step(ps, ms, vs)), 3)
+    return {"kernel": "adamw (every 1b parameter: gradient pass + fused AdamW, against adamw_step on bf16)", **results}
+
+
 def main() -> int:
     ok = True
-    for check in (check_loss, check_swiglu, check_grad_upcast):
+    for check in (check_loss, check_swiglu, check_grad_upcast, check_adamw):
         line = {"figure": "kernel_check", **check()}
         line["passed"] = line["max_err_triton"] <= max(2 * line["max_err_eager"], line["bf16_ulp"])
         ok &= line["passed"]

@@ -16,7 +16,8 @@
 #             layers off, and the straggler detector (issue 22) off / reporting every 5 steps instead of 100, and
 #             the blocks' bf16 copies kept from the forward to the backward (keep-block-copies: one rank's
 #             train.reshard_after_forward=never), PyTorch's gradient pass (torch-kernels: train.kernels=torch)
-#             and, not a change made but one to try, the Triton loss instead of Inductor's (triton-loss);
+#             and, not changes made but ones to try, the Triton loss instead of Inductor's (triton-loss) and
+#             AdamW reading one rank's bf16 gradients itself (triton-adamw: optim.implementation=triton);
 #             loo-eager likewise, and PyTorch's ops instead of the Triton kernels of trainer/kernels.py
 #             (torch-kernels) (RoPE's kernel is the same in eager mode: no
 #             row). torchrun without entrypoint.sh: the default allocator unless PYTORCH_ALLOC_CONF is set
@@ -150,7 +151,7 @@ part_alloc() {  # the headline's two trainer rows again with the allocator setti
 part_loo() {
   # Each variant leaves one change of issue 21 out; the label before ":" names the group's every-change-on row.
   # LOO_MODES (default "compiled eager"): which of the two groups run.
-  [[ " ${LOO_MODES:-compiled eager} " == *" compiled "* ]] && ours loo-compiled "$PWD" 200 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
+  [[ " ${LOO_MODES:-compiled eager} " == *" compiled "* ]] && ours loo-compiled "$PWD" 220 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
     {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-compiled:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-compiled:complex-rope", "set": ["--train.rope_kernel=complex"]},
@@ -159,10 +160,12 @@ part_loo() {
     {"label": "loo-compiled:straggler-every-5", "set": ["--resiliency.straggler_report_every=5"]},
     {"label": "loo-compiled:keep-block-copies", "set": ["--train.reshard_after_forward=never"]},
     {"label": "loo-compiled:torch-kernels", "set": ["--train.kernels=torch"]},
-    {"label": "loo-compiled:triton-loss", "set": ["--train.kernels=triton"]}
+    {"label": "loo-compiled:triton-loss", "set": ["--train.kernels=triton"]},
+    {"label": "loo-compiled:triton-adamw", "set": ["--optim.implementation=triton"]}
   ]' -- --train.compile=true
-  [[ " ${LOO_MODES:-compiled eager} " == *" eager "* ]] && ours loo-eager "$PWD" 90 --stop-at "$LOO_STOP" --variants '[
+  [[ " ${LOO_MODES:-compiled eager} " == *" eager "* ]] && ours loo-eager "$PWD" 100 --stop-at "$LOO_STOP" --variants '[
     {"label": "loo-eager:torch-kernels", "set": ["--train.kernels=torch"]},
+    {"label": "loo-eager:triton-adamw", "set": ["--optim.implementation=triton"]},
     {"label": "loo-eager:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-eager:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-eager:keep-block-copies", "set": ["--train.reshard_after_forward=never"]}

@@ -215,3 +215,62 @@ def test_the_chosen_triton_kernels_are_the_ones_the_step_calls(pg, monkeypatch):
     n_params = len(grads)
     assert calls == {"swiglu": MODEL.n_layers, "loss_forward": 1, "loss_backward": 1, "grad_upcast": n_params}
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_an_optimizer_that_reads_one_ranks_bf16_gradients_steps_as_adamw_bit_for_bit(pg, monkeypatch):
+    """``optim.implementation=triton`` with one rank: ``OneRank`` hands its compute-dtype gradients and clipping's
+    coefficient to the optimizer (no fp32 gradient is made), a warm-up backward dropped by ``model.zero_grad`` never
+    leaks into a step, and the result equals AdamW's per-parameter loop on the converted gradients, bit for bit.
+    ``trainer.kernels.adamw_step`` is replaced by that loop's arithmetic in PyTorch ops (no Triton here)."""
+    import sys
+    import types
+
+    import trainer
+    from trainer import train as train_mod
+
+    steps_taken: list[torch.dtype] = []
+
+    def adamw_step(param, grad, exp_avg, exp_avg_sq, coef, *, lr, beta1, beta2, eps, weight_decay, step):
+        steps_taken.append(grad.dtype)
+        g = grad.float() if coef is None else torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
+        param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1 ** step)))
+
+    fake = types.ModuleType("trainer.kernels")
+    fake.adamw_step = adamw_step
+    monkeypatch.setitem(sys.modules, "trainer.kernels", fake)
+    monkeypatch.setattr(trainer, "kernels", fake, raising=False)
+
+    def run(implementation: str) -> tuple[list[float], dict]:
+        model = build("direct", "bf16", grad_clip=CLIP)
+        monkeypatch.setattr(train_mod, "adamw_implementation", lambda cfg, device: implementation)
+        optimizer = build_optimizer(model, OptimConfig(implementation=implementation, weight_decay=0.1))
+        model(*batch(99)).backward()  # a warm-up's backward, then dropped (trainer.train.warm_up_step)
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for step in range(1, 4):
+            loss = model(*batch(step))
+            loss.backward()
+            clip_grad_norm_(model, CLIP)
+            if implementation == "triton":
+                assert all(p.grad is None for p in model.parameters())  # handed over, not converted
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, {"model": [p.to_local().clone() for p in model.parameters()],
+                        "optim": optimizer.state_dict()["state"]}
+
+    reference_losses, reference = run("for_loop")
+    losses, state = run("triton")
+    n_params = len(reference["model"])
+    assert steps_taken == [torch.bfloat16] * (3 * n_params)
+    assert losses == reference_losses
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(state["model"], reference["model"]))
+    for index, entry in reference["optim"].items():
+        for key, value in entry.items():
+            mine = state["optim"][index][key]
+            value, mine = (t.to_local() if isinstance(t, DTensor) else t for t in (value, mine))
+            assert torch.equal(mine, value), (index, key)

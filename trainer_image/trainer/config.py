@@ -146,7 +146,9 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     implementation: str = "auto"
     """AdamW kernel: ``auto`` (``fused`` on GPU, ``for_loop`` on CPU), ``fused`` (one multi-tensor CUDA kernel),
-    ``foreach`` or ``for_loop`` (one parameter at a time: bit-identical between runs and world sizes on CPU)."""
+    ``foreach`` or ``for_loop`` (one parameter at a time: bit-identical between runs and world sizes on CPU);
+    ``triton`` (CUDA, opt-in, not yet measured on a GPU): a Triton kernel per parameter that, with one rank, reads
+    the bf16 gradients and clipping's coefficient itself, so no fp32 gradient is ever made (``trainer/kernels.py``)."""
 
     def validate(self) -> None:
         _positive(self, "optim", ("eps",))
@@ -159,7 +161,7 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optim.{name} must be in [0, 1); got {getattr(self, name)}")
-        _choice(self, "optim", "implementation", ("auto", "fused", "foreach", "for_loop"))
+        _choice(self, "optim", "implementation", ("auto", "fused", "foreach", "for_loop", "triton"))
 
 
 @dataclass

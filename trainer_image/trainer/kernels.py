@@ -10,7 +10,9 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
 - ``swiglu``: ``silu(a) * b`` forward, and ``(da, db)`` in one backward kernel; it saves ``a`` and ``b`` for the
   backward, not also ``silu(a)`` as eager autograd does (``1b``: 16 x 256 MiB less at the step's peak);
 - ``scaled_upcast``: one rank's gradients to fp32 times clipping's coefficient (``trainer/onerank.py``), compiled or
-  not (that pass is outside the compiled graphs), bit-identical to the ``torch.mul`` it replaces.
+  not (that pass is outside the compiled graphs), bit-identical to the ``torch.mul`` it replaces;
+- ``adamw_step`` (``optim.implementation=triton``, opt-in, not measured on a GPU yet): AdamW reading one rank's
+  compute-dtype gradients and the clipping coefficient itself, so the gradient pass above is not run at all.
 
 ``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (the loss and
 SwiGLU only in eager mode: compiled, Inductor fuses those), never on CPU, so CPU runs stay bit-identical to their
@@ -153,6 +155,43 @@ def scaled_upcast(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     n = grad.numel()
     _scaled_upcast_kernel[(triton.cdiv(n, UPCAST_BLOCK),)](grad, out, coef, n, BLOCK=UPCAST_BLOCK)
     return out
+
+
+@triton.jit
+def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, coef, n, decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                  step_size, bc2_sqrt, HAS_COEF: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    g = tl.load(grad + offsets, mask=inside, other=0.0).to(tl.float32)
+    if HAS_COEF:
+        g = g * tl.load(coef)
+    p = tl.load(param + offsets, mask=inside, other=0.0) * decay
+    m = tl.load(exp_avg + offsets, mask=inside, other=0.0)
+    v = tl.load(exp_avg_sq + offsets, mask=inside, other=0.0)
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(param + offsets, p, mask=inside)
+    tl.store(exp_avg + offsets, m, mask=inside)
+    tl.store(exp_avg_sq + offsets, v, mask=inside)
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               coef: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               step: float) -> None:
+    """One AdamW update of a contiguous fp32 parameter and its moments, in place, from a gradient in any float
+    dtype times ``coef`` (clipping's coefficient, a 1-element tensor, or None): the gradient pass's upcast and the
+    update in one read of each tensor. AdamW's arithmetic, in the order of PyTorch's per-parameter AdamW (decoupled
+    decay, the moments by ``lerp`` and ``beta2 v + (1 - beta2) g^2``, bias-corrected, IEEE square root and
+    division); the rounding of a fused multiply-add may differ in the last bit."""
+    n = param.numel()
+    if not (param.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()):
+        raise ValueError("adamw_step needs contiguous tensors")
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    _adamw_kernel[(triton.cdiv(n, UPCAST_BLOCK),)](
+        param, grad, exp_avg, exp_avg_sq, coef if coef is not None else param, n, 1 - lr * weight_decay, 1 - beta1,
+        beta2, 1 - beta2, eps, lr / bc1, bc2 ** 0.5, HAS_COEF=coef is not None, BLOCK=UPCAST_BLOCK)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,10 @@ class OneRank:
                         requires_grad=param.requires_grad))
                 module._parameters[name] = self.masters[index[id(param)]]
                 self.slots.append((module, name, index[id(param)]))
+        self.handing_over = False
+        """Set by an optimizer that reads the compute-dtype gradients itself (``hand_over_gradients``)."""
+        self.handed: dict[int, torch.Tensor] = {}
+        self.handed_coef: torch.Tensor | None = None
         self.pending: list[list[torch.Tensor]] = []
         """The compute-dtype copies (leaves) of each forward whose backward has not ended yet (one per step)."""
         self.last_norm: torch.Tensor | None = None
@@ -112,7 +116,27 @@ class OneRank:
             block.register_forward_hook(
                 lambda module, args, output, own=own: one_rank._reshard(one_rank._copies(own), output))
         model._one_rank = one_rank  # type: ignore[assignment]
+        zero_grad = model.zero_grad
+
+        def zero_grad_and_handed(set_to_none: bool = True) -> None:  # e.g. after a warm-up's discarded backward
+            one_rank.take_gradients()
+            zero_grad(set_to_none)
+
+        model.zero_grad = zero_grad_and_handed  # type: ignore[method-assign]
         return model
+
+    def hand_over_gradients(self) -> Callable[[], tuple[dict[int, torch.Tensor], torch.Tensor | None]]:
+        """For an optimizer that applies clipping's coefficient and the upcast itself (``optim.implementation=
+        triton``): from now on a backward with no gradients before it leaves its compute-dtype gradients here, not
+        converted, and the parameters' ``.grad`` stays None. Returns ``take_gradients``."""
+        self.handing_over = True
+        return self.take_gradients
+
+    def take_gradients(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """({id(parameter): its compute-dtype gradient}, clipping's coefficient or None), given up by this object."""
+        handed, coef = self.handed, self.handed_coef
+        self.handed, self.handed_coef = {}, None
+        return handed, coef
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         self.depth += 1
@@ -186,6 +210,12 @@ class OneRank:
         parameters; otherwise they are added unclipped and ``clip_grad_norm_`` clips as usual."""
         pending, self.pending = self.pending, []
         self.last_norm = None
+        if self.handed:  # a second backward before the optimizer took the first's: those become .grad as usual
+            handed, coef = self.take_gradients()
+            for master in self.masters:
+                if (grad := handed.pop(id(master), None)) is not None:
+                    grad32 = grad.float() if coef is None else self.scaled_upcast(grad, coef)
+                    master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
         fresh = len(pending) == 1 and all(m.grad is None for m in self.masters)
         for copies in pending:
             grads: list[torch.Tensor | None] = [c.grad for c in copies]
@@ -197,6 +227,10 @@ class OneRank:
                 self.last_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
                 coef = torch.clamp(self.grad_clip / (self.last_norm + 1e-6), max=1.0).reshape(1)
             del present
+            if fresh and self.handing_over:
+                self.handed = {id(m): g for m, g in zip(self.masters, grads) if g is not None}
+                self.handed_coef = coef
+                continue
             for i, master in enumerate(self.masters):
                 grad, grads[i] = grads[i], None
                 if grad is None:

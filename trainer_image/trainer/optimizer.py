@@ -16,14 +16,34 @@ stays ``DTensor``s (checkpoints, resharding across world sizes and the trainer's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
+Handed = Callable[[], "tuple[dict[int, torch.Tensor], torch.Tensor | None]"]
+"""A ``OneRank``'s ``take_gradients``: ({id(parameter): its compute-dtype gradient}, clipping's coefficient)."""
+
 
 class LocalShardAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose step runs on local shards (see the module's docstring)."""
+    """``torch.optim.AdamW`` whose step runs on local shards (see the module's docstring).
+
+    ``triton`` (``optim.implementation=triton``, CUDA, opt-in): each parameter is updated by one kernel
+    (``trainer/kernels.py``'s ``adamw_step``); with ``handed`` (one rank), the gradients are read in the compute
+    dtype with clipping's coefficient, straight from ``OneRank``, which then skips its fp32 gradient pass. The state
+    is AdamW's per-parameter one (``step`` a CPU tensor, the moments like the parameter): checkpoints move between
+    implementations."""
+
+    def __init__(self, params: Any, *, triton: bool = False, handed: Handed | None = None, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.triton, self.handed = triton, handed
+        if triton and (kwargs.get("amsgrad") or kwargs.get("maximize")):
+            raise ValueError("optim.implementation=triton has no amsgrad or maximize")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.handed is not None:
+            self.handed()  # a step that was not taken: its gradients go too
+        super().zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -31,6 +51,9 @@ class LocalShardAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.triton:
+            self._triton_step()
+            return loss
         swapped: list[tuple[dict[str, Any], list[Any]]] = []
         shards: list[tuple[DTensor, torch.Tensor, dict[str, Any]]] = []
         try:
@@ -58,6 +81,41 @@ class LocalShardAdamW(torch.optim.AdamW):
                 self.state[p] = {k: _keep(before.get(k), v, p) for k, v in after.items()}
                 local.grad = None
         return loss
+
+
+    def _triton_step(self) -> None:
+        from trainer import kernels
+
+        handed, coef = self.handed() if self.handed is not None else ({}, None)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                grad, scale = handed.get(id(p)), coef
+                if grad is None:
+                    if p.grad is None:
+                        continue
+                    grad, scale = _local(p.grad), None  # converted (and clipped) already
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = _state_like(p)
+                    state["exp_avg_sq"] = _state_like(p)
+                elif state["step"].device.type != "cpu":  # from a fused run's checkpoint: read on the host from now on
+                    state["step"] = state["step"].cpu()
+                state["step"] += 1
+                kernels.adamw_step(_local(p), grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), scale,
+                                   lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                   weight_decay=group["weight_decay"], step=float(state["step"]))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _state_like(param: torch.Tensor) -> torch.Tensor:
+    """A zero moment like ``param``: a ``DTensor`` like it when it is one, as AdamW makes them."""
+    zeros = torch.zeros_like(_local(param), memory_format=torch.preserve_format)
+    return _as_dtensor(zeros, param) if isinstance(param, DTensor) else zeros
 
 
 def _keep(old: Any, new: Any, param: DTensor) -> Any:

@@ -124,16 +124,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+    kernel: dict[str, dict[str, Any]] = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                                         "for_loop": {"foreach": False}, "triton": {"triton": True}}
+    options = kernel[adamw_implementation(cfg, next(model.parameters()).device)]
+    one_rank = getattr(model, "_one_rank", None)
+    if options.get("triton") and one_rank is not None:  # it reads the compute-dtype gradients itself
+        options = {**options, "handed": one_rank.hand_over_gradients()}
     # FT: stepped on the local shards: AdamW over DTensors leaks host memory per step on torch 2.10/2.11, which every
     # in-process restart's full garbage collections then scan (optimizer.py)
-    return LocalShardAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                           **kernel[adamw_implementation(cfg, next(model.parameters()).device)])
+    return LocalShardAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **options)
 
 
 def adamw_implementation(cfg: OptimConfig, device: torch.device) -> str:
     """``auto``: the fused CUDA kernel on GPU (elementwise, so reruns stay deterministic); on CPU the
     per-parameter loop, whose results are bit-identical between runs and world sizes."""
+    if cfg.implementation == "triton" and device.type != "cuda":
+        raise ConfigError("optim.implementation=triton runs on CUDA only: set optim.implementation=auto on CPU")
     if cfg.implementation != "auto":
         return cfg.implementation
     return "fused" if device.type == "cuda" else "for_loop"
