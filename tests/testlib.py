@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -42,20 +43,28 @@ def torchrun(
 
 def run_session(cmd: list[str], env: dict[str, str], timeout: float, timeout_message: str) -> tuple[int, str]:
     """Run ``cmd`` in a session of its own, output (stdout and stderr) captured; (returncode, output). At
-    ``timeout`` the whole session is SIGKILLed (launcher, workers, their writers) and the test fails with
-    ``timeout_message`` and the output's tail."""
+    ``timeout`` the whole session is stopped (launcher, workers, their writers) and the test fails with
+    ``timeout_message`` and the output's tail: first SIGABRT, on which every Python process of it prints each of its
+    threads' stack (``PYTHONFAULTHANDLER``), so a hang in CI says where it hung; SIGKILL for what is left."""
     import signal
 
     import pytest
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{timeout_message}:\n{out[-4000:]}")
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, _ = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            out = ""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate()
+        out = (out or "") + (rest or "")
+        pytest.fail(f"{timeout_message} (the stacks at SIGABRT are at the end):\n{out[-12000:]}")
     return proc.returncode, out
 
 
