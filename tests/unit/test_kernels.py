@@ -110,9 +110,10 @@ def test_auto_rope_is_the_real_kernel_compiled_and_the_complex_one_in_eager_mode
     assert rope_kernel(TrainConfig(compile=False, rope_kernel="real")) == "real"
 
 
-def test_triton_kernels_only_in_eager_mode_on_cuda_and_a_missing_triton_is_said_when_asked_for(monkeypatch):
-    """``train.kernels`` (trainer/kernels.py): never on CPU or compiled; ``auto`` falls back to PyTorch's ops without
-    Triton, ``triton`` says what to change."""
+def test_triton_kernels_only_on_cuda_where_inductor_does_not_fuse_and_a_missing_triton_is_said_when_asked_for(
+        monkeypatch):
+    """``train.kernels`` (trainer/kernels.py): never on CPU; compiled, only the gradient pass outside the graphs (and
+    the loss when asked for); ``auto`` falls back to PyTorch's ops without Triton, ``triton`` says what to change."""
     import sys
     import types
 

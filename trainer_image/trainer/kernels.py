@@ -8,7 +8,7 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
   the target's log-probability; ``cross_entropy_backward``: ``(exp(logit - lse) - one_hot) * scale`` written over
   the logits (one read, one write). ``trainer/loss.py`` calls them as its chunk kernels, one chunk for all rows;
 - ``swiglu``: ``silu(a) * b`` forward, and ``(da, db)`` in one backward kernel; it saves ``a`` and ``b`` for the
-  backward, not also ``silu(a)`` as eager autograd does (``1b``: 16 x 256 MiB less at the step's peak);
+  backward, not also ``silu(a)`` as eager autograd does (``1b``, by the arithmetic: 16 x 256 MiB fewer saved);
 - ``scaled_upcast``: one rank's gradients to fp32 times clipping's coefficient (``trainer/onerank.py``), compiled or
   not (that pass is outside the compiled graphs), bit-identical to the ``torch.mul`` it replaces;
 - ``adamw_step`` (``optim.implementation=triton``, opt-in, not measured on a GPU yet): AdamW reading one rank's
@@ -16,8 +16,7 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
 
 ``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (the loss and
 SwiGLU only in eager mode: compiled, Inductor fuses those), never on CPU, so CPU runs stay bit-identical to their
-history. Imported only when chosen (Triton is part of
-PyTorch's CUDA builds, not of its CPU wheels).
+history. Imported only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels).
 """
 
 from __future__ import annotations
@@ -85,7 +84,8 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: tor
 
 def _check_rows(logits: torch.Tensor, targets: torch.Tensor) -> None:
     """The kernels index a row's columns from its start: rows of unit stride, one target per row."""
-    if logits.dim() != 2 or logits.stride(1) != 1 or targets.shape != logits.shape[:1] or not targets.is_contiguous():
+    rows_ok = logits.dim() == 2 and logits.stride(1) == 1
+    if not rows_ok or targets.shape != logits.shape[:1] or not targets.is_contiguous():
         raise ValueError(f"cross-entropy kernels need [rows, vocab] logits with unit column stride and [rows] "
                          f"contiguous targets; got {tuple(logits.shape)} stride {logits.stride()} and targets "
                          f"{tuple(targets.shape)}")
@@ -149,8 +149,7 @@ def scaled_upcast(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``torch.mul(grad, coef, out=<fp32>)`` for a contiguous gradient, bit for bit (the same fp32 product, one
     rounding), in a kernel with vectorised loads: PyTorch runs a mixed-dtype multiply through its element-at-a-time
     path (``1b``'s 147 gradients: 6.1 ms against a 2.4 ms copy floor, ``bench/onerank_probe.py cast``)."""
-    if not grad.is_contiguous():
-        return torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
+    grad = grad.contiguous()  # a copy only if it was not (autograd's gradients of the copies are)
     out = torch.empty_like(grad, dtype=torch.float32)
     n = grad.numel()
     _scaled_upcast_kernel[(triton.cdiv(n, UPCAST_BLOCK),)](grad, out, coef, n, BLOCK=UPCAST_BLOCK)
@@ -186,7 +185,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     decay, the moments by ``lerp`` and ``beta2 v + (1 - beta2) g^2``, bias-corrected, IEEE square root and
     division); the rounding of a fused multiply-add may differ in the last bit."""
     n = param.numel()
-    if not (param.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()):
+    if not all(t.is_contiguous() for t in (param, grad, exp_avg, exp_avg_sq)):
         raise ValueError("adamw_step needs contiguous tensors")
     bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
     _adamw_kernel[(triton.cdiv(n, UPCAST_BLOCK),)](

@@ -53,7 +53,8 @@ from torch.utils._pytree import tree_leaves
 Upcast = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _scaled_upcast(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+def torch_scaled_upcast(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``grad`` in fp32 times ``coef`` (a 1-element tensor): fp32 arithmetic on the upcast values, one pass."""
     return torch.mul(grad, coef, out=torch.empty_like(grad, dtype=torch.float32))
 
 
@@ -63,7 +64,7 @@ class OneRank:
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device, grad_clip: float,
                  reshard_blocks: Sequence[nn.Module] = (), scaled_upcast: Upcast | None = None) -> None:
         self.compute_dtype = compute_dtype
-        self.scaled_upcast = scaled_upcast or _scaled_upcast
+        self.scaled_upcast = scaled_upcast or torch_scaled_upcast
         """(gradient, coefficient) -> the fp32 gradient times it: ``torch.mul``, or ``trainer/kernels.py``'s."""
         self.grad_clip = grad_clip
         self.mesh = init_device_mesh(device.type, (1,))
@@ -214,8 +215,7 @@ class OneRank:
             handed, coef = self.take_gradients()
             for master in self.masters:
                 if (grad := handed.pop(id(master), None)) is not None:
-                    grad32 = grad.float() if coef is None else self.scaled_upcast(grad, coef)
-                    master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
+                    self._add_grad(master, grad, coef)
         fresh = len(pending) == 1 and all(m.grad is None for m in self.masters)
         for copies in pending:
             grads: list[torch.Tensor | None] = [c.grad for c in copies]
@@ -233,17 +233,17 @@ class OneRank:
                 continue
             for i, master in enumerate(self.masters):
                 grad, grads[i] = grads[i], None
-                if grad is None:
-                    continue
-                if coef is not None:  # a 1-element tensor: fp32 arithmetic on the upcast values, one pass
-                    grad32 = self.scaled_upcast(grad, coef)
-                else:
-                    grad32 = grad.to(torch.float32)
-                del grad
-                if master.grad is None:
-                    master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
-                else:
-                    master.grad.to_local().add_(grad32)
+                if grad is not None:
+                    self._add_grad(master, grad, coef)
+                    del grad  # each compute-dtype gradient goes once converted
+
+    def _add_grad(self, master: nn.Parameter, grad: torch.Tensor, coef: torch.Tensor | None) -> None:
+        """``grad`` (compute dtype) in fp32, times ``coef`` when given, as ``master``'s gradient or added to it."""
+        grad32 = grad.to(torch.float32) if coef is None else self.scaled_upcast(grad, coef)
+        if master.grad is None:
+            master.grad = DTensor.from_local(grad32, self.mesh, [Shard(0)], run_check=False)
+        else:
+            master.grad.to_local().add_(grad32)
 
 
 def is_one_rank(model: nn.Module) -> bool:

@@ -82,7 +82,6 @@ class LocalShardAdamW(torch.optim.AdamW):
                 local.grad = None
         return loss
 
-
     def _triton_step(self) -> None:
         from trainer import kernels
 
