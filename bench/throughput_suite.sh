@@ -148,10 +148,17 @@ part_alloc() {  # the headline's two trainer rows again with the allocator setti
   OURS_ALLOC_CONF="$TITAN_ALLOC_CONF" production ours-eager-alloc 45 --train.compile=false
 }
 
+pick() {  # a variants JSON array, keeping only the labels whose part after ":" is in LOO_ONLY (when set)
+  python3 -c 'import json, os, sys
+only = os.environ.get("LOO_ONLY", "").split()
+print(json.dumps([v for v in json.loads(sys.argv[1]) if not only or v["label"].split(":")[1] in only]))' "$1"
+}
+
 part_loo() {
   # Each variant leaves one change of issue 21 out; the label before ":" names the group's every-change-on row.
-  # LOO_MODES (default "compiled eager"): which of the two groups run.
-  [[ " ${LOO_MODES:-compiled eager} " == *" compiled "* ]] && ours loo-compiled "$PWD" 220 --stop-at "$LOO_STOP" --profile-steps 3 --variants '[
+  # LOO_MODES (default "compiled eager"): which of the two groups run; LOO_ONLY (e.g. "triton-adamw triton-loss"):
+  # only those variants (the estimates below are for every variant).
+  [[ " ${LOO_MODES:-compiled eager} " == *" compiled "* ]] && ours loo-compiled "$PWD" 220 --stop-at "$LOO_STOP" --profile-steps 3 --variants "$(pick '[
     {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-compiled:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-compiled:complex-rope", "set": ["--train.rope_kernel=complex"]},
@@ -162,14 +169,14 @@ part_loo() {
     {"label": "loo-compiled:torch-kernels", "set": ["--train.kernels=torch"]},
     {"label": "loo-compiled:triton-loss", "set": ["--train.kernels=triton"]},
     {"label": "loo-compiled:triton-adamw", "set": ["--optim.implementation=triton"]}
-  ]' -- --train.compile=true
-  [[ " ${LOO_MODES:-compiled eager} " == *" eager "* ]] && ours loo-eager "$PWD" 100 --stop-at "$LOO_STOP" --variants '[
+  ]')" -- --train.compile=true
+  [[ " ${LOO_MODES:-compiled eager} " == *" eager "* ]] && ours loo-eager "$PWD" 100 --stop-at "$LOO_STOP" --variants "$(pick '[
     {"label": "loo-eager:torch-kernels", "set": ["--train.kernels=torch"]},
     {"label": "loo-eager:triton-adamw", "set": ["--optim.implementation=triton"]},
     {"label": "loo-eager:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-eager:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-eager:keep-block-copies", "set": ["--train.reshard_after_forward=never"]}
-  ]' -- --train.compile=false
+  ]')" -- --train.compile=false
 }
 
 part_before() {
