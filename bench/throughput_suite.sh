@@ -15,12 +15,10 @@
 #             its top kernels in the JSON line, profile.txt in runs.tar.gz) then each change off, and the recovery
 #             layers off, and the straggler detector (issue 22) off / reporting every 5 steps instead of 100, and
 #             the blocks' bf16 copies kept from the forward to the backward (keep-block-copies: one rank's
-#             train.reshard_after_forward=never), PyTorch's gradient pass (torch-kernels: train.kernels=torch)
-#             and, not changes made but ones to try, the Triton loss instead of Inductor's (triton-loss) and
-#             AdamW reading one rank's bf16 gradients itself (triton-adamw: optim.implementation=triton);
-#             loo-eager likewise, and PyTorch's ops instead of the Triton kernels of trainer/kernels.py
-#             (torch-kernels) (RoPE's kernel is the same in eager mode: no
-#             row). torchrun without entrypoint.sh: the default allocator unless PYTORCH_ALLOC_CONF is set
+#             train.reshard_after_forward=never), Inductor's loss and PyTorch's gradient pass instead of
+#             trainer/kernels.py's (torch-kernels: train.kernels=torch), PyTorch's fused AdamW instead of the
+#             Triton AdamW that reads one rank's bf16 gradients itself (fused-adamw);
+#             loo-eager likewise, torch-kernels also SwiGLU (RoPE's kernel is the same in eager mode: no row). torchrun without entrypoint.sh: the default allocator unless PYTORCH_ALLOC_CONF is set
 #   alloc     ours-compiled and ours-eager again with PYTORCH_ALLOC_CONF=$TITAN_ALLOC_CONF (torchtitan's
 #             launcher exports expandable segments; so does entrypoint.sh now, when neither PYTORCH_ALLOC_CONF nor
 #             PYTORCH_CUDA_ALLOC_CONF is set: with the default TITAN_ALLOC_CONF these rows repeat the headline's)
@@ -156,7 +154,7 @@ print(json.dumps([v for v in json.loads(sys.argv[1]) if not only or v["label"].s
 
 part_loo() {
   # Each variant leaves one change of issue 21 out; the label before ":" names the group's every-change-on row.
-  # LOO_MODES (default "compiled eager"): which of the two groups run; LOO_ONLY (e.g. "triton-adamw triton-loss"):
+  # LOO_MODES (default "compiled eager"): which of the two groups run; LOO_ONLY (e.g. "fused-adamw torch-kernels"):
   # only those variants (the estimates below are for every variant).
   [[ " ${LOO_MODES:-compiled eager} " == *" compiled "* ]] && ours loo-compiled "$PWD" 220 --stop-at "$LOO_STOP" --profile-steps 3 --variants "$(pick '[
     {"label": "loo-compiled:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
@@ -167,12 +165,11 @@ part_loo() {
     {"label": "loo-compiled:straggler-every-5", "set": ["--resiliency.straggler_report_every=5"]},
     {"label": "loo-compiled:keep-block-copies", "set": ["--train.reshard_after_forward=never"]},
     {"label": "loo-compiled:torch-kernels", "set": ["--train.kernels=torch"]},
-    {"label": "loo-compiled:triton-loss", "set": ["--train.kernels=triton"]},
-    {"label": "loo-compiled:triton-adamw", "set": ["--optim.implementation=triton"]}
+    {"label": "loo-compiled:fused-adamw", "set": ["--optim.implementation=fused"]}
   ]')" -- --train.compile=true
   [[ " ${LOO_MODES:-compiled eager} " == *" eager "* ]] && ours loo-eager "$PWD" 100 --stop-at "$LOO_STOP" --variants "$(pick '[
     {"label": "loo-eager:torch-kernels", "set": ["--train.kernels=torch"]},
-    {"label": "loo-eager:triton-adamw", "set": ["--optim.implementation=triton"]},
+    {"label": "loo-eager:fused-adamw", "set": ["--optim.implementation=fused"]},
     {"label": "loo-eager:fsdp-at-one-rank", "set": ["--train.single_rank=fsdp"]},
     {"label": "loo-eager:plain-loss", "set": ["--train.chunked_loss=false"]},
     {"label": "loo-eager:keep-block-copies", "set": ["--train.reshard_after_forward=never"]}

@@ -112,8 +112,8 @@ def test_auto_rope_is_the_real_kernel_compiled_and_the_complex_one_in_eager_mode
 
 def test_triton_kernels_only_on_cuda_where_inductor_does_not_fuse_and_a_missing_triton_is_said_when_asked_for(
         monkeypatch):
-    """``train.kernels`` (trainer/kernels.py): never on CPU; compiled, only the gradient pass outside the graphs (and
-    the loss when asked for); ``auto`` falls back to PyTorch's ops without Triton, ``triton`` says what to change."""
+    """``train.kernels`` (trainer/kernels.py): never on CPU; compiled, the loss and the gradient pass outside the
+    graphs, not SwiGLU; ``auto`` falls back to PyTorch's ops without Triton, ``triton`` says what to change."""
     import sys
     import types
 
@@ -129,7 +129,7 @@ def test_triton_kernels_only_on_cuda_where_inductor_does_not_fuse_and_a_missing_
     every = {"loss", "swiglu", "grad_upcast"}
     assert triton_kernels(TrainConfig(compile=False), cuda) == every
     assert triton_kernels(TrainConfig(compile=False, kernels="triton"), cuda) == every
-    assert triton_kernels(TrainConfig(compile=True), cuda) == {"grad_upcast"}  # outside the compiled graphs
+    assert triton_kernels(TrainConfig(compile=True), cuda) == {"loss", "grad_upcast"}  # no SwiGLU: Inductor fuses it
     assert triton_kernels(TrainConfig(compile=True, kernels="triton"), cuda) == {"loss", "grad_upcast"}
     assert not triton_kernels(TrainConfig(compile=False, kernels="torch"), cuda)
     assert not triton_kernels(TrainConfig(compile=False, kernels="triton"), cpu)

@@ -246,7 +246,7 @@ def test_an_optimizer_that_reads_one_ranks_bf16_gradients_steps_as_adamw_bit_for
 
     def run(implementation: str) -> tuple[list[float], dict]:
         model = build("direct", "bf16", grad_clip=CLIP)
-        monkeypatch.setattr(train_mod, "adamw_implementation", lambda cfg, device: implementation)
+        monkeypatch.setattr(train_mod, "adamw_implementation", lambda cfg, device, one_rank=False: implementation)
         optimizer = build_optimizer(model, OptimConfig(implementation=implementation, weight_decay=0.1))
         model(*batch(99)).backward()  # a warm-up's backward, then dropped (trainer.train.warm_up_step)
         model.zero_grad(set_to_none=True)

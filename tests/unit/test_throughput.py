@@ -19,12 +19,18 @@ def _tiny(vocab=256):
     return cfg
 
 
-@pytest.mark.parametrize(("setting", "device", "expected"), [
-    ("auto", "cpu", "for_loop"), ("auto", "cuda", "fused"), ("foreach", "cuda", "foreach"),
-    ("for_loop", "cuda", "for_loop"), ("fused", "cpu", "fused"),
+@pytest.mark.parametrize(("setting", "device", "one_rank", "triton", "expected"), [
+    ("auto", "cpu", True, True, "for_loop"), ("auto", "cuda", False, True, "fused"),
+    ("auto", "cuda", True, True, "triton"), ("auto", "cuda", True, False, "fused"),
+    ("foreach", "cuda", True, True, "foreach"), ("for_loop", "cuda", False, True, "for_loop"),
+    ("fused", "cpu", False, True, "fused"), ("triton", "cuda", False, True, "triton"),
 ])
-def test_adamw_implementation(setting, device, expected):
-    assert adamw_implementation(OptimConfig(implementation=setting), torch.device(device)) == expected
+def test_adamw_implementation(setting, device, one_rank, triton, expected, monkeypatch):
+    """``auto`` on GPU: the Triton AdamW only with one rank (it reads OneRank's bf16 gradients) and Triton there."""
+    import sys
+    import types
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton") if triton else None)
+    assert adamw_implementation(OptimConfig(implementation=setting), torch.device(device), one_rank) == expected
 
 
 def test_cpu_optimizer_keeps_the_per_parameter_loop():

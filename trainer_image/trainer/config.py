@@ -145,10 +145,11 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     implementation: str = "auto"
-    """AdamW kernel: ``auto`` (``fused`` on GPU, ``for_loop`` on CPU), ``fused`` (one multi-tensor CUDA kernel),
-    ``foreach`` or ``for_loop`` (one parameter at a time: bit-identical between runs and world sizes on CPU);
-    ``triton`` (CUDA, opt-in, not yet measured on a GPU): a Triton kernel per parameter that, with one rank, reads
-    the bf16 gradients and clipping's coefficient itself, so no fp32 gradient is ever made (``trainer/kernels.py``)."""
+    """AdamW kernel: ``auto`` (on GPU ``triton`` with one rank and Triton importable, else ``fused``; ``for_loop``
+    on CPU), ``fused`` (one multi-tensor CUDA kernel), ``foreach`` or ``for_loop`` (one parameter at a time:
+    bit-identical between runs and world sizes on CPU); ``triton`` (CUDA): a Triton kernel per parameter that, with
+    one rank, reads the bf16 gradients and clipping's coefficient itself, so no fp32 gradient is ever made
+    (``trainer/kernels.py``; compiled ``1b`` on one H200: +2.1 % a step against ``fused``, BENCHMARKS.md)."""
 
     def validate(self) -> None:
         _positive(self, "optim", ("eps",))
@@ -210,11 +211,10 @@ class TrainConfig:
     under the default allocator: fragmentation, which ``entrypoint.sh``'s expandable segments remove."""
     kernels: str = "auto"
     """Hand-written Triton kernels (``trainer/kernels.py``) for what PyTorch runs as several passes or through a slow
-    path: the chunked loss's two kernels and SwiGLU (eager mode only: compiled, Inductor fuses the same ops) and one
-    rank's gradients to fp32 (both modes). ``auto``: on CUDA, if Triton imports; ``triton``: the same, the loss's
-    kernels compiled too (instead of Inductor's: an A/B, not measured yet), and an error if Triton is missing;
-    ``torch``: PyTorch's own ops. Never on CPU (CPU runs stay bit-identical to their history). Same fp32 arithmetic,
-    one rounding per kernel."""
+    path: the chunked loss's two kernels (compiled too: +2.8 % a step against Inductor's on one H200), SwiGLU (eager
+    mode only: compiled, Inductor fuses the same ops) and one rank's gradients to fp32. ``auto``: on CUDA, if
+    Triton imports; ``triton``: the same, and an error if Triton is missing; ``torch``: PyTorch's own ops. Never on
+    CPU (CPU runs stay bit-identical to their history). Same fp32 arithmetic, one rounding per kernel."""
     run_dir: str = "runs/default"
     """Directory for metrics (``metrics.jsonl``), the recovery ledger and, by default, checkpoints."""
     log_every: int = 1

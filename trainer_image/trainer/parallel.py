@@ -177,21 +177,29 @@ def rope_kernel(cfg: TrainConfig) -> str:
     return "real" if cfg.compile else "complex"
 
 
+def triton_missing() -> str:
+    """Why Triton cannot be imported ("" when it can: it is part of PyTorch's CUDA builds)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return str(exc) or "ImportError"
+    return ""
+
+
 def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
-    """``train.kernels`` resolved: which of ``trainer/kernels.py``'s run: ``loss`` and ``swiglu`` in eager mode,
-    ``grad_upcast`` (one rank's gradient pass, outside the compiled graphs) compiled too, and with ``triton`` the
-    loss also compiled (instead of Inductor's chunk kernels); none on CPU."""
+    """``train.kernels`` resolved: which of ``trainer/kernels.py``'s run: ``loss`` and ``swiglu`` in eager mode;
+    compiled, ``loss`` (instead of Inductor's chunk kernels: +2.8 % a step on one H200, BENCHMARKS.md) and
+    ``grad_upcast`` (one rank's gradient pass, outside the compiled graphs); none on CPU."""
     if cfg.kernels == "torch" or device.type != "cuda":
         return frozenset()
-    try:
-        import triton  # noqa: F401  (part of PyTorch's CUDA builds)
-    except ImportError as exc:
+    missing = triton_missing()
+    if missing:
         if cfg.kernels == "triton":
-            raise ConfigError(f"train.kernels=triton needs Triton ({exc}): install it, or set train.kernels=auto")
+            raise ConfigError(f"train.kernels=triton needs Triton ({missing}): install it, or set train.kernels=auto")
         return frozenset()
     if not cfg.compile:
         return frozenset({"loss", "swiglu", "grad_upcast"})
-    return frozenset({"loss", "grad_upcast"} if cfg.kernels == "triton" else {"grad_upcast"})
+    return frozenset({"loss", "grad_upcast"})
 
 
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:

@@ -126,8 +126,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernel: dict[str, dict[str, Any]] = {"fused": {"fused": True}, "foreach": {"foreach": True},
                                          "for_loop": {"foreach": False}, "triton": {"triton": True}}
-    options = kernel[adamw_implementation(cfg, next(model.parameters()).device)]
     one_rank = getattr(model, "_one_rank", None)
+    options = kernel[adamw_implementation(cfg, next(model.parameters()).device, one_rank=one_rank is not None)]
     if options.get("triton") and one_rank is not None:  # it reads the compute-dtype gradients itself
         options = {**options, "handed": one_rank.hand_over_gradients()}
     # FT: stepped on the local shards: AdamW over DTensors leaks host memory per step on torch 2.10/2.11, which every
@@ -135,14 +135,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return LocalShardAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **options)
 
 
-def adamw_implementation(cfg: OptimConfig, device: torch.device) -> str:
-    """``auto``: the fused CUDA kernel on GPU (elementwise, so reruns stay deterministic); on CPU the
-    per-parameter loop, whose results are bit-identical between runs and world sizes."""
+def adamw_implementation(cfg: OptimConfig, device: torch.device, one_rank: bool = False) -> str:
+    """``auto``: on GPU, with one rank (``OneRank``) and Triton, the Triton kernel that reads the bf16 gradients
+    itself, else the fused CUDA kernel (both elementwise, so reruns stay deterministic); on CPU the per-parameter
+    loop, whose results are bit-identical between runs and world sizes."""
     if cfg.implementation == "triton" and device.type != "cuda":
         raise ConfigError("optim.implementation=triton runs on CUDA only: set optim.implementation=auto on CPU")
     if cfg.implementation != "auto":
         return cfg.implementation
-    return "fused" if device.type == "cuda" else "for_loop"
+    if device.type != "cuda":
+        return "for_loop"
+    return "triton" if one_rank and not parallel.triton_missing() else "fused"
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
