@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer import startup
+from trainer import compile_ahead, startup
 from trainer.config import ConfigError, describe, parse_args
 from trainer.exitcodes import ExitCode, TrainerExit, classify, code_name, is_retryable, on_exit, record_exit
 
@@ -63,6 +63,8 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     except OSError as exc:
         return _config_error(f"train.run_dir: cannot write the log {log_path} ({exc.strerror or exc}); set "
                              "--train.run_dir to a writable directory")
+    # a new container's Triton kernels compiled in another process while this one starts (trainer/compile_ahead.py)
+    compile_ahead.spawn(sys.argv[1:] if argv is None else list(argv), cfg)
     # FT: a respawned worker's start: torch is imported, then its CUDA context is made while the rest is imported
     startup.warm_cuda(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     from trainer import resiliency  # imports torch: after argument errors are reported

@@ -11,12 +11,12 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
   backward, not also ``silu(a)`` as eager autograd does (``1b``, by the arithmetic: 16 x 256 MiB fewer saved);
 - ``scaled_upcast``: one rank's gradients to fp32 times clipping's coefficient (``trainer/onerank.py``), compiled or
   not (that pass is outside the compiled graphs), bit-identical to the ``torch.mul`` it replaces;
-- ``adamw_step`` (``optim.implementation=triton``, opt-in, not measured on a GPU yet): AdamW reading one rank's
+- ``adamw_step`` (``optim.implementation``, ``auto``'s choice with one rank on CUDA): AdamW reading one rank's
   compute-dtype gradients and the clipping coefficient itself, so the gradient pass above is not run at all.
 
-``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (the loss and
-SwiGLU only in eager mode: compiled, Inductor fuses those), never on CPU, so CPU runs stay bit-identical to their
-history. Imported only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels).
+``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (SwiGLU only in
+eager mode: compiled, Inductor fuses it), never on CPU, so CPU runs stay bit-identical to their history.
+``compile_ahead`` compiles them for a run's sizes before its first step (``trainer/compile_ahead.py``). Imported only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels).
 """
 
 from __future__ import annotations
@@ -196,3 +196,30 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``F.silu(a) * b`` in one kernel each way (fp32 inside, one rounding)."""
     return _SwiGLU.apply(a, b)
+
+
+def compile_ahead(which: frozenset[str], *, vocab: int, activation_numel: int, param_numels: list[int],
+                  dtype: torch.dtype, adamw_coef: bool | None) -> list:
+    """Compile, without launching anything or allocating memory (``JITFunction.warmup``), the kernels of ``which``
+    (``triton_kernels``'s names) and, unless ``adamw_coef`` is None, ``adamw_step`` on the compute-dtype gradients
+    (with clipping's coefficient when True), with the argument types and integers the launchers above pass for a
+    model of this vocabulary, activation size (tokens x FFN width) and parameter sizes: Triton's cache key is the
+    kernel, its constants, each pointer's dtype and each integer's class (1, a multiple of 16, 64-bit), so the run's
+    first calls find them in the on-disk cache (``trainer/compile_ahead.py``). Returns Triton's compiled kernels."""
+    f32, i64, grid = torch.float32, torch.int64, (1,)
+    calls: list = []
+    if "loss" in which:
+        calls += [(_ce_forward_kernel, (dtype, vocab, i64, f32, f32, vocab), {"BLOCK": LOSS_BLOCK}),
+                  (_ce_backward_kernel, (dtype, vocab, i64, f32, f32, vocab), {"BLOCK": LOSS_BLOCK})]
+    if "swiglu" in which:
+        calls += [(_swiglu_forward_kernel, (dtype, dtype, dtype, activation_numel), {"BLOCK": POINTWISE_BLOCK}),
+                  (_swiglu_backward_kernel, (dtype,) * 5 + (activation_numel,), {"BLOCK": POINTWISE_BLOCK})]
+    sizes = {(n == 1, n % 16 == 0, n >= 2**31): n for n in param_numels}.values()  # one per integer class
+    for n in sizes:
+        if "grad_upcast" in which and adamw_coef is None:
+            calls.append((_scaled_upcast_kernel, (dtype, f32, f32, n), {"BLOCK": UPCAST_BLOCK}))
+        if adamw_coef is not None:
+            calls.append((_adamw_kernel, (f32, dtype, f32, f32, f32, n, 0.99, 0.1, 0.95, 0.05, 1e-8, 1e-4, 0.5),
+                          {"HAS_COEF": adamw_coef, "BLOCK": UPCAST_BLOCK}))
+    return [kernel.warmup(*args, grid=grid, **constants) for kernel, args, constants in calls]
+

@@ -21,6 +21,9 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.config import ConfigError, OptimConfig
+from trainer.parallel import triton_missing
+
 Handed = Callable[[], "tuple[dict[int, torch.Tensor], torch.Tensor | None]"]
 """A ``OneRank``'s ``take_gradients``: ({id(parameter): its compute-dtype gradient}, clipping's coefficient)."""
 
@@ -132,3 +135,16 @@ def _as_dtensor(tensor: torch.Tensor, like: DTensor) -> DTensor:
     """A state tensor made by the step on ``like``'s shard, as the ``DTensor`` AdamW would have made on ``like``."""
     return DTensor.from_local(tensor, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
+
+
+def adamw_implementation(cfg: OptimConfig, device: torch.device, one_rank: bool = False) -> str:
+    """``auto``: on GPU, with one rank (``OneRank``) and Triton, the Triton kernel that reads the bf16 gradients
+    itself, else the fused CUDA kernel (both elementwise, so reruns stay deterministic); on CPU the per-parameter
+    loop, whose results are bit-identical between runs and world sizes."""
+    if cfg.implementation == "triton" and device.type != "cuda":
+        raise ConfigError("optim.implementation=triton runs on CUDA only: set optim.implementation=auto on CPU")
+    if cfg.implementation != "auto":
+        return cfg.implementation
+    if device.type != "cuda":
+        return "for_loop"
+    return "triton" if one_rank and not triton_missing() else "fused"

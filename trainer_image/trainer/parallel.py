@@ -177,6 +177,13 @@ def rope_kernel(cfg: TrainConfig) -> str:
     return "real" if cfg.compile else "complex"
 
 
+def one_rank_direct(cfg: TrainConfig, world_size: int) -> bool:
+    """``OneRank`` instead of FSDP2 (``train.single_rank``): one rank, and ``direct``, or ``auto`` without
+    activation checkpointing."""
+    return world_size == 1 and (
+        cfg.single_rank == "direct" or (cfg.single_rank == "auto" and not cfg.activation_checkpointing))
+
+
 def triton_missing() -> str:
     """Why Triton cannot be imported ("" when it can: it is part of PyTorch's CUDA builds)."""
     try:
@@ -219,8 +226,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     step's peak for one more cast; ``never`` keeps them).
     """
     policy = mixed_precision(cfg, device)
-    direct = dist.get_world_size() == 1 and (
-        cfg.single_rank == "direct" or (cfg.single_rank == "auto" and not cfg.activation_checkpointing))
+    direct = one_rank_direct(cfg, dist.get_world_size())
     # auto: FSDP2 with more ranks (with one, its gather again is a copy that costs time); OneRank always (a cast)
     reshard = {"auto": dist.get_world_size() > 1 or direct, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]

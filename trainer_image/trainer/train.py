@@ -29,7 +29,7 @@ from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
-from trainer.optimizer import LocalShardAdamW
+from trainer.optimizer import LocalShardAdamW, adamw_implementation
 from trainer.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -133,19 +133,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     # FT: stepped on the local shards: AdamW over DTensors leaks host memory per step on torch 2.10/2.11, which every
     # in-process restart's full garbage collections then scan (optimizer.py)
     return LocalShardAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **options)
-
-
-def adamw_implementation(cfg: OptimConfig, device: torch.device, one_rank: bool = False) -> str:
-    """``auto``: on GPU, with one rank (``OneRank``) and Triton, the Triton kernel that reads the bf16 gradients
-    itself, else the fused CUDA kernel (both elementwise, so reruns stay deterministic); on CPU the per-parameter
-    loop, whose results are bit-identical between runs and world sizes."""
-    if cfg.implementation == "triton" and device.type != "cuda":
-        raise ConfigError("optim.implementation=triton runs on CUDA only: set optim.implementation=auto on CPU")
-    if cfg.implementation != "auto":
-        return cfg.implementation
-    if device.type != "cuda":
-        return "for_loop"
-    return "triton" if one_rank and not parallel.triton_missing() else "fused"
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

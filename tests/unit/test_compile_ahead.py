@@ -1,0 +1,80 @@
+"""trainer/compile_ahead.py: which Triton kernels a run's worker will call, with which sizes, worked out without a GPU
+(the compile itself needs one: bench/compile_ahead_check.py checks on the device that the worker then compiles
+nothing), and when the compiling process is started at all."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from trainer import compile_ahead
+from trainer.config import load_config
+
+
+def _cfg(*overrides: str, data: str = "/d"):
+    return load_config("1b", [f"--data.path={data}", *overrides])
+
+
+@pytest.fixture
+def with_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))  # importable, as on a CUDA build
+
+
+def test_one_rank_eager_plans_every_kernel_with_the_runs_sizes(with_triton):
+    plan = compile_ahead.plan(_cfg("--train.compile=false"), world_size=1)
+    assert plan["which"] == {"loss", "swiglu", "grad_upcast"}
+    assert plan["adamw_coef"] is True  # auto's AdamW at one rank reads the bf16 gradients and clipping's coefficient
+    assert plan["vocab"] == 128256 and plan["dtype"] == torch.bfloat16
+    assert plan["activation_numel"] == 4 * 4096 * 8192  # batch x sequence x FFN width
+    assert len(plan["param_numels"]) == 147 and max(plan["param_numels"]) == 128256 * 2048
+
+
+def test_compiled_fsdp_and_no_clipping_change_the_plan(with_triton):
+    compiled = compile_ahead.plan(_cfg(), world_size=1)
+    assert compiled["which"] == {"loss", "grad_upcast"}  # SwiGLU is Inductor's when compiled
+    fsdp = compile_ahead.plan(_cfg("--train.compile=false"), world_size=2)
+    assert fsdp["which"] == {"loss", "swiglu"} and fsdp["adamw_coef"] is None  # FSDP2: fused AdamW, no OneRank
+    assert compile_ahead.plan(_cfg("--optim.grad_clip=0"), world_size=1)["adamw_coef"] is False
+    assert compile_ahead.plan(_cfg("--optim.implementation=fused"), world_size=1)["adamw_coef"] is None
+    assert compile_ahead.plan(_cfg("--train.mixed_precision=fp32"), world_size=1)["dtype"] == torch.float32
+
+
+def test_without_triton_nothing_is_planned(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    plan = compile_ahead.plan(_cfg(), world_size=1)
+    assert not plan["which"] and plan["adamw_coef"] is None
+
+
+def test_vocabulary_from_the_manifest_and_a_remote_base_model_is_not_fetched(with_triton, tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 4096}))
+    assert compile_ahead.plan(_cfg("--model.vocab_size=0", data=str(tmp_path)), 1)["vocab"] == 4096
+    with pytest.raises(ValueError, match="manifest.json"):
+        compile_ahead.plan(_cfg("--model.vocab_size=0", data=str(tmp_path / "missing")), 1)
+    with pytest.raises(ValueError, match="not a local directory"):
+        compile_ahead.plan(_cfg("--model.from_hf=hf://org/model"), 1)
+
+
+def test_started_only_from_local_rank_0_on_an_nvidia_machine_for_a_run_that_uses_the_kernels(monkeypatch):
+    monkeypatch.setattr(compile_ahead.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv(compile_ahead.ENV, raising=False)
+    assert compile_ahead.wanted(_cfg())
+    assert not compile_ahead.wanted(_cfg("--train.device=cpu"))
+    assert not compile_ahead.wanted(_cfg("--train.kernels=torch", "--optim.implementation=fused"))
+    assert compile_ahead.wanted(_cfg("--train.kernels=torch"))  # auto's AdamW may still be Triton's
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not compile_ahead.wanted(_cfg())
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(compile_ahead.ENV, "0")
+    assert not compile_ahead.wanted(_cfg())
+    monkeypatch.setenv(compile_ahead.ENV, "1")
+    monkeypatch.setattr(compile_ahead.os.path, "exists", lambda path: False)  # no NVIDIA driver: a CPU machine
+    assert not compile_ahead.wanted(_cfg()) and compile_ahead.spawn([], _cfg()) is None
+
+
+def test_the_compiling_process_says_why_it_did_nothing_in_one_line_and_exits_0(capsys):
+    assert compile_ahead.main(["--config", "1b", "--data.path=/d", "--no-such-flag"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) >= 1 and lines[-1].startswith("trainer.compile_ahead: nothing compiled ahead (SystemExit")
