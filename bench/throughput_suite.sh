@@ -132,8 +132,8 @@ part_headline() {
   PYTHONPATH="$PWD/trainer_image:$PWD:$BASE_PYTHONPATH" timeout 60 python3 bench/anchor_torchtitan.py \
     --config "$CONFIG" --check 2>>"$LOG" | fig
   if [[ " ${HEADLINE_MODES:-compiled eager} " == *" compiled "* ]]; then
-    production ours-compiled 80 --train.compile=true
-    titan titan-compiled 100 --compile
+    production ours-compiled 65 --train.compile=true
+    titan titan-compiled 60 --compile
   fi
   if [[ " ${HEADLINE_MODES:-compiled eager} " == *" eager "* ]]; then
     production ours-eager 45 --train.compile=false
