@@ -3,8 +3,6 @@
 nothing), and when the compiling process is started at all."""
 
 import json
-import sys
-import types
 
 import pytest
 import torch
@@ -19,7 +17,11 @@ def _cfg(*overrides: str, data: str = "/d"):
 
 @pytest.fixture
 def with_triton(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))  # importable, as on a CUDA build
+    """Triton importable, as on a CUDA build (the choices ask ``parallel.triton_missing``)."""
+    from trainer import optimizer, parallel
+
+    monkeypatch.setattr(parallel, "triton_missing", lambda: "")
+    monkeypatch.setattr(optimizer, "triton_missing", lambda: "")
 
 
 def test_one_rank_eager_plans_every_kernel_with_the_runs_sizes(with_triton):
@@ -42,7 +44,10 @@ def test_compiled_fsdp_and_no_clipping_change_the_plan(with_triton):
 
 
 def test_without_triton_nothing_is_planned(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton", None)
+    from trainer import optimizer, parallel
+
+    monkeypatch.setattr(parallel, "triton_missing", lambda: "No module named 'triton'")
+    monkeypatch.setattr(optimizer, "triton_missing", lambda: "No module named 'triton'")
     plan = compile_ahead.plan(_cfg(), world_size=1)
     assert not plan["which"] and plan["adamw_coef"] is None
 
@@ -78,3 +83,12 @@ def test_the_compiling_process_says_why_it_did_nothing_in_one_line_and_exits_0(c
     assert compile_ahead.main(["--config", "1b", "--data.path=/d", "--no-such-flag"]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) >= 1 and lines[-1].startswith("trainer.compile_ahead: nothing compiled ahead (SystemExit")
+
+
+def test_without_nvml_the_process_gives_up_in_one_line_after_planning(with_triton, capsys):
+    """A plan with kernels in it, on a machine whose NVML has no GPU (this one): the compile target must come from
+    NVML (never Triton's own, which would make a CUDA context beside the worker's), so nothing is compiled."""
+    assert compile_ahead.main(["--config", "1b", "--data.path=/d", "--train.compile=false"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainer.compile_ahead: nothing compiled ahead ("), lines
+    assert "NVML" in lines[0] or "pynvml" in lines[0], lines
