@@ -31,6 +31,7 @@ def files(directory: str) -> int:
 def first_calls() -> dict[str, float]:
     """Each kernel's first call with the ``1b`` run's dtypes and integers, ms (compile or cache load, and the run)."""
     import torch
+    from kernels_check import FFN, TOKENS, VOCAB  # the 1b run's sizes (this directory is on sys.path)
 
     from trainer import kernels
 
@@ -44,13 +45,13 @@ def first_calls() -> dict[str, float]:
         torch.cuda.synchronize()
         timings[name] = round((time.perf_counter() - started) * 1e3, 1)
 
-    logits = torch.randn(16, 128256, device=dev, dtype=bf16)
-    targets = torch.randint(0, 128256, (16,), device=dev)
+    logits = torch.randn(16, VOCAB, device=dev, dtype=bf16)
+    targets = torch.randint(0, VOCAB, (16,), device=dev)
     lse = {}
     timed("ce_forward", lambda: lse.setdefault("v", kernels.cross_entropy_forward(logits, targets)[1]))
     timed("ce_backward", lambda: kernels.cross_entropy_backward(logits, targets, lse["v"], torch.ones(1, device=dev)))
-    a = torch.randn(4 * 4096, 8192, device=dev, dtype=bf16, requires_grad=True)
-    b = torch.randn(4 * 4096, 8192, device=dev, dtype=bf16, requires_grad=True)
+    a = torch.randn(TOKENS, FFN, device=dev, dtype=bf16, requires_grad=True)
+    b = torch.randn(TOKENS, FFN, device=dev, dtype=bf16, requires_grad=True)
     out = {}
     timed("swiglu_forward", lambda: out.setdefault("v", kernels.swiglu(a, b)))
     timed("swiglu_backward", lambda: out["v"].backward(torch.ones_like(out["v"])))
@@ -78,7 +79,8 @@ def main() -> int:
     files_after = files(warm)
     cold_run = subprocess.run([sys.executable, __file__, "--first-calls"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "TRITON_CACHE_DIR": cold})
-    cold_timings = json.loads(cold_run.stdout.strip().splitlines()[-1]) if cold_run.returncode == 0 else cold_run.stderr[-500:]
+    cold_timings = (json.loads(cold_run.stdout.strip().splitlines()[-1]) if cold_run.returncode == 0
+                    else cold_run.stderr[-500:])
     print(json.dumps({"figure": "compile_ahead_check", "process_s": round(ahead_s, 2), "rc": ahead.returncode,
                       "line": ahead.stderr.strip().splitlines()[-1] if ahead.stderr.strip() else "",
                       "cache_files_ahead": files_ahead, "cache_files_after_first_calls": files_after,

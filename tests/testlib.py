@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -78,3 +81,29 @@ def torchrun_probe(script: Path, arg: Path, blocked_message: str, timeout: float
         timeout, blocked_message)
     assert rc == 0, out[-3000:]
     return next((line for line in out.splitlines() if line.startswith("rank0:")), "") + "\n" + out[-3000:]
+
+
+def write_token_shards(root: Path, shard_lengths: list[int], vocab_size: int = 65536) -> Path:
+    """A dataset per SHARDS.md whose token ids are all distinct (id = global position), for exact checks."""
+    root.mkdir(parents=True)
+    (root / "tokenizer.json").write_bytes(b"{}")
+    entries, base = [], 0
+    for i, n in enumerate(shard_lengths):
+        raw = (base + np.arange(n)).astype("<u2").tobytes()
+        (root / f"train-{i:05d}.bin").write_bytes(raw)
+        entries.append({"file": f"train-{i:05d}.bin", "num_tokens": n, "num_bytes": len(raw),
+                        "sha256": hashlib.sha256(raw).hexdigest()})
+        base += n
+    manifest = {
+        "format": "resilient-train.token-shards",
+        "version": 1,
+        "dtype": "uint16",
+        "vocab_size": vocab_size,
+        "eos_id": 0,
+        "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": hashlib.sha256(b"{}").hexdigest(),
+        "splits": {"train": entries},
+        "num_tokens": {"train": base},
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root

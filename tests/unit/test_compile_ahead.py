@@ -2,13 +2,13 @@
 (the compile itself needs one: bench/compile_ahead_check.py checks on the device that the worker then compiles
 nothing), and when the compiling process is started at all."""
 
-import json
-
 import pytest
 import torch
 
+from testlib import write_token_shards
 from trainer import compile_ahead
 from trainer.config import load_config
+from trainer.data import ShardError
 
 
 def _cfg(*overrides: str, data: str = "/d"):
@@ -26,8 +26,8 @@ def with_triton(monkeypatch):
 
 def test_one_rank_eager_plans_every_kernel_with_the_runs_sizes(with_triton):
     plan = compile_ahead.plan(_cfg("--train.compile=false"), world_size=1)
-    assert plan["which"] == {"loss", "swiglu", "grad_upcast"}
-    assert plan["adamw_coef"] is True  # auto's AdamW at one rank reads the bf16 gradients and clipping's coefficient
+    assert plan["which"] == {"loss", "swiglu"}  # no gradient pass: ...
+    assert plan["adamw_coef"] is True  # ... auto's AdamW at one rank reads bf16 gradients and clipping's coefficient
     assert plan["vocab"] == 128256 and plan["dtype"] == torch.bfloat16
     assert plan["activation_numel"] == 4 * 4096 * 8192  # batch x sequence x FFN width
     assert len(plan["param_numels"]) == 147 and max(plan["param_numels"]) == 128256 * 2048
@@ -35,11 +35,12 @@ def test_one_rank_eager_plans_every_kernel_with_the_runs_sizes(with_triton):
 
 def test_compiled_fsdp_and_no_clipping_change_the_plan(with_triton):
     compiled = compile_ahead.plan(_cfg(), world_size=1)
-    assert compiled["which"] == {"loss", "grad_upcast"}  # SwiGLU is Inductor's when compiled
+    assert compiled["which"] == {"loss"}  # SwiGLU is Inductor's when compiled
     fsdp = compile_ahead.plan(_cfg("--train.compile=false"), world_size=2)
     assert fsdp["which"] == {"loss", "swiglu"} and fsdp["adamw_coef"] is None  # FSDP2: fused AdamW, no OneRank
     assert compile_ahead.plan(_cfg("--optim.grad_clip=0"), world_size=1)["adamw_coef"] is False
-    assert compile_ahead.plan(_cfg("--optim.implementation=fused"), world_size=1)["adamw_coef"] is None
+    fused = compile_ahead.plan(_cfg("--optim.implementation=fused"), world_size=1)
+    assert fused["adamw_coef"] is None and fused["which"] == {"loss", "grad_upcast"}  # OneRank's gradient pass
     assert compile_ahead.plan(_cfg("--train.mixed_precision=fp32"), world_size=1)["dtype"] == torch.float32
 
 
@@ -53,9 +54,9 @@ def test_without_triton_nothing_is_planned(monkeypatch):
 
 
 def test_vocabulary_from_the_manifest_and_a_remote_base_model_is_not_fetched(with_triton, tmp_path):
-    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 4096}))
-    assert compile_ahead.plan(_cfg("--model.vocab_size=0", data=str(tmp_path)), 1)["vocab"] == 4096
-    with pytest.raises(ValueError, match="manifest.json"):
+    data = write_token_shards(tmp_path / "data", [40], vocab_size=4096)
+    assert compile_ahead.plan(_cfg("--model.vocab_size=0", data=str(data)), 1)["vocab"] == 4096
+    with pytest.raises(ShardError, match="manifest.json not found"):
         compile_ahead.plan(_cfg("--model.vocab_size=0", data=str(tmp_path / "missing")), 1)
     with pytest.raises(ValueError, match="not a local directory"):
         compile_ahead.plan(_cfg("--model.from_hf=hf://org/model"), 1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,39 +13,15 @@ import torch
 from tokenizers import Tokenizer
 
 from components.lib import tokendata
+from testlib import write_token_shards
 from trainer import data
 from trainer.data import ShardError, ShardedTokens, TokenLoader, eval_batches
-
-
-def _write_synthetic(root: Path, shard_lengths: list[int], vocab_size: int = 65536) -> Path:
-    """A dataset per SHARDS.md whose token ids are all distinct (id = global position), for exact checks."""
-    root.mkdir(parents=True)
-    (root / "tokenizer.json").write_bytes(b"{}")
-    entries, base = [], 0
-    for i, n in enumerate(shard_lengths):
-        raw = (base + np.arange(n)).astype("<u2").tobytes()
-        (root / f"train-{i:05d}.bin").write_bytes(raw)
-        entries.append({"file": f"train-{i:05d}.bin", "num_tokens": n, "num_bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()})
-        base += n
-    manifest = {
-        "format": "resilient-train.token-shards",
-        "version": 1,
-        "dtype": "uint16",
-        "vocab_size": vocab_size,
-        "eos_id": 0,
-        "tokenizer": "tokenizer.json",
-        "tokenizer_sha256": hashlib.sha256(b"{}").hexdigest(),
-        "splits": {"train": entries},
-        "num_tokens": {"train": base},
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
 
 
 @pytest.fixture
 def synthetic(tmp_path: Path) -> ShardedTokens:
     """Two shards, seq_len 4: (41 - 1) // 4 = 10 and (30 - 1) // 4 = 7 samples, 17 in all."""
-    return ShardedTokens(_write_synthetic(tmp_path / "syn", [41, 30]))
+    return ShardedTokens(write_token_shards(tmp_path / "syn", [41, 30]))
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +247,7 @@ def test_load_state_dict_rejects_mismatches(synthetic: ShardedTokens, tmp_path: 
         TokenLoader(synthetic, seq_len=4, batch_size=2, rank=0, world_size=4, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="not divisible by world_size=3"):
         TokenLoader(synthetic, seq_len=4, batch_size=1, rank=0, world_size=3, seed=1).load_state_dict(state)
-    other = ShardedTokens(_write_synthetic(tmp_path / "other", [41]))
+    other = ShardedTokens(write_token_shards(tmp_path / "other", [41]))
     with pytest.raises(ValueError, match="resume with the same dataset"):
         TokenLoader(other, seq_len=4, batch_size=2, rank=0, world_size=2, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="missing"):
@@ -319,7 +294,7 @@ def test_eval_batches_max_batches_and_errors(synthetic: ShardedTokens) -> None:
 def test_dataset_is_hashed_once_per_job_and_a_file_changed_since_again(tmp_path: Path, monkeypatch) -> None:
     """A restarted worker skips the files verified earlier in the job (the marker in the run directory), but a
     shard rewritten since (another size, mtime or inode) is hashed again, and corrupt is still a ShardError."""
-    root = _write_synthetic(tmp_path / "syn", [41, 30])
+    root = write_token_shards(tmp_path / "syn", [41, 30])
     marker = tmp_path / "run" / data.VERIFIED_FILE
     scanned: list[str] = []
     real_scan = data._scan_file
@@ -341,7 +316,7 @@ def test_dataset_is_hashed_once_per_job_and_a_file_changed_since_again(tmp_path:
 
 
 def test_a_changed_manifest_is_verified_in_full(tmp_path: Path, monkeypatch) -> None:
-    root = _write_synthetic(tmp_path / "syn", [41, 30])
+    root = write_token_shards(tmp_path / "syn", [41, 30])
     marker = tmp_path / data.VERIFIED_FILE
     ShardedTokens(root, verified=marker)
     _edit_manifest(root, vocab_size=50)  # the same files under another manifest: token ids now out of range

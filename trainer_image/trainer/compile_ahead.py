@@ -3,7 +3,7 @@
 Triton compiles a kernel at its first call, for the dtypes and integer classes it is called with, and keeps it in an
 on-disk cache (``$TRITON_CACHE_DIR``, by default ``~/.triton/cache``) that a fresh container has empty. On one H200 a
 new ``1b`` eager run's first step took 5.46 s with the kernels of ``train.kernels`` and ``optim.implementation``
-compiled in it, against ~1 s for the same step without them (BENCHMARKS.md, session 13): 4.6 s of one process's CPU
+compiled in it, against 0.89 s for the same step before them (BENCHMARKS.md, sessions 12-13): 4.6 s of one process's CPU
 that nothing else needed at that moment, while the worker spent 9 s importing, making its CUDA context and building
 the model.
 
@@ -22,7 +22,6 @@ cache is what ``bench/compile_ahead_check.py`` checks, and the goodput run's fir
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -48,7 +47,7 @@ def spawn(argv: list[str], cfg) -> subprocess.Popen | None:  # noqa: ANN001
         return None
     try:
         return subprocess.Popen([sys.executable, "-m", "trainer.compile_ahead", *argv], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, env={**os.environ, ENV: "0"})
+                                stdout=subprocess.DEVNULL)
     except OSError:
         return None  # an optimisation only: the worker compiles what it needs itself
 
@@ -65,12 +64,14 @@ def plan(cfg, world_size: int) -> dict:  # noqa: ANN001
     cuda = torch.device("cuda")
     which = set(parallel.triton_kernels(cfg.train, cuda))
     one_rank = parallel.one_rank_direct(cfg.train, world_size)
-    if not one_rank:
+    # with one rank the Triton AdamW reads OneRank's compute-dtype gradients (no gradient pass); with FSDP2 it is
+    # not auto's choice, and an explicit one reads fp32 gradients, which this does not plan
+    adamw = one_rank and adamw_implementation(cfg.optim, cuda, one_rank=True) == "triton"
+    if adamw or not one_rank:
         which.discard("grad_upcast")  # OneRank's gradient pass
-    adamw = adamw_implementation(cfg.optim, cuda, one_rank=one_rank) == "triton" and one_rank
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.data.seq_len)
-    dtype = torch.bfloat16 if parallel.mixed_precision(cfg.train, cuda).param_dtype == torch.bfloat16 else torch.float32
+    dtype = parallel.mixed_precision(cfg.train, cuda).param_dtype or torch.float32
     return {"which": frozenset(which), "vocab": cfg.model.vocab_size, "dtype": dtype,
             "activation_numel": cfg.train.batch_size * cfg.data.seq_len * cfg.model.ffn_dim,
             "param_numels": [p.numel() for p in model.parameters()],
@@ -79,8 +80,8 @@ def plan(cfg, world_size: int) -> dict:  # noqa: ANN001
 
 def resolve_shape(cfg) -> None:  # noqa: ANN001
     """The model's shape as the worker will resolve it (``train.Resources``): from ``model.from_hf``'s config.json
-    when that is a local directory, a vocabulary of 0 from the dataset's manifest when that is a local file;
-    ValueError otherwise (nothing is fetched from remote storage twice)."""
+    when that is a local directory (nothing is fetched from remote storage twice: ValueError otherwise), a
+    vocabulary of 0 from the dataset's manifest."""
     if cfg.model.from_hf:
         if not os.path.isdir(cfg.model.from_hf):
             raise ValueError("model.from_hf is not a local directory")
@@ -88,11 +89,9 @@ def resolve_shape(cfg) -> None:  # noqa: ANN001
 
         BaseModel.for_model(cfg.model, 0)
     if cfg.model.vocab_size == 0:
-        try:
-            with open(os.path.join(cfg.data.path, "manifest.json"), encoding="utf-8") as f:
-                cfg.model.vocab_size = int(json.load(f)["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"no vocabulary size from {cfg.data.path}/manifest.json ({exc})") from None
+        from trainer.data import ShardedTokens
+
+        cfg.model.vocab_size = ShardedTokens(cfg.data.path, verify=False).vocab_size  # reads the manifest only
 
 
 def _target_without_a_context() -> None:

@@ -16,7 +16,8 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
 
 ``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (SwiGLU only in
 eager mode: compiled, Inductor fuses it), never on CPU, so CPU runs stay bit-identical to their history.
-``compile_ahead`` compiles them for a run's sizes before its first step (``trainer/compile_ahead.py``). Imported only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels).
+``compile_ahead`` compiles them for a run's sizes before its first step (``trainer/compile_ahead.py``). Imported
+only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def compile_ahead(which: frozenset[str], *, vocab: int, activation_numel: int, p
                   (_swiglu_backward_kernel, (dtype,) * 5 + (activation_numel,), {"BLOCK": POINTWISE_BLOCK})]
     sizes = {(n == 1, n % 16 == 0, n >= 2**31): n for n in param_numels}.values()  # one per integer class
     for n in sizes:
-        if "grad_upcast" in which and adamw_coef is None:
+        if "grad_upcast" in which:
             calls.append((_scaled_upcast_kernel, (dtype, f32, f32, n), {"BLOCK": UPCAST_BLOCK}))
         if adamw_coef is not None:
             calls.append((_adamw_kernel, (f32, dtype, f32, f32, f32, n, 0.99, 0.1, 0.95, 0.05, 1e-8, 1e-4, 0.5),

@@ -31,8 +31,8 @@ Handed = Callable[[], "tuple[dict[int, torch.Tensor], torch.Tensor | None]"]
 class LocalShardAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose step runs on local shards (see the module's docstring).
 
-    ``triton`` (``optim.implementation=triton``, CUDA, opt-in): each parameter is updated by one kernel
-    (``trainer/kernels.py``'s ``adamw_step``); with ``handed`` (one rank), the gradients are read in the compute
+    ``triton`` (``optim.implementation``, ``auto``'s choice on CUDA with one rank): each parameter is updated by one
+    kernel (``trainer/kernels.py``'s ``adamw_step``); with ``handed`` (one rank), the gradients are read in the compute
     dtype with clipping's coefficient, straight from ``OneRank``, which then skips its fp32 gradient pass. The state
     is AdamW's per-parameter one (``step`` a CPU tensor, the moments like the parameter): checkpoints move between
     implementations."""
