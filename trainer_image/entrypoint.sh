@@ -27,6 +27,8 @@
 #                                       that ft_launcher restarts hands its rank over to it, which skips most of
 #                                       the restart's start-up. Costs one Python process and one CUDA context per
 #                                       local rank. Default True only where an NVIDIA driver is present
+#   TRAINER_COMPILE_AHEAD               0 turns off compiling the run's Triton kernels beside ft_launcher's start
+#                                       (trainer/compile_ahead.py; on by default where an NVIDIA device is present)
 #   PYTORCH_ALLOC_CONF                  the CUDA caching allocator's settings; default expandable_segments:True
 #                                       when neither it nor PYTORCH_CUDA_ALLOC_CONF is set (empty counts as unset)
 #
@@ -161,7 +163,7 @@ reap_node_memory() {
     done < "$owner"
   done
 }
-standby_pid=""
+standby_pid="" ahead_pid=""
 stop_standby() {  # the server ends its warm standbys (and they die with it: PR_SET_PDEATHSIG)
   [[ -n "$standby_pid" ]] || return 0
   kill -s TERM "$standby_pid" 2>/dev/null
@@ -170,7 +172,7 @@ stop_standby() {  # the server ends its warm standbys (and they die with it: PR_
   kill -s KILL "$standby_pid" 2>/dev/null
   wait "$standby_pid" 2>/dev/null
 }
-trap 'stop_standby; reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
+trap 'stop_standby; [[ -z "$ahead_pid" ]] || kill "$ahead_pid" 2>/dev/null; reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
 exit_dir="$job_tmp/exit-codes"
 mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
 export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
@@ -193,6 +195,15 @@ fi
 # silences it for itself and its children (trainer/__init__.py), this for the launcher too.
 pynvml_warning="ignore:The pynvml package is deprecated:FutureWarning"
 [[ ",${PYTHONWARNINGS:-}," == *",$pynvml_warning,"* ]] || export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}$pynvml_warning"
+# The run's Triton kernels compiled into Triton's on-disk cache while ft_launcher and the first workers start
+# (trainer/compile_ahead.py): one process per node, started before ft_launcher so that the launcher's own start-up
+# is a head start; the workers see TRAINER_COMPILE_AHEAD=started and start none of their own. It makes no CUDA
+# context, logs one line and exits 0; TRAINER_COMPILE_AHEAD=0 turns it off.
+if [[ "${TRAINER_COMPILE_AHEAD:-1}" != 0 && -e /dev/nvidiactl ]]; then
+  WORLD_SIZE=$(( ${nnodes##*:} * nproc )) LOCAL_RANK=0 python3 -m trainer.compile_ahead "$@" </dev/null >/dev/null &
+  ahead_pid=$!
+  export TRAINER_COMPILE_AHEAD=started
+fi
 # Warm standby workers (trainer/standby.py), started with the environment the workers inherit, so what they
 # imported matches; a worker whose import-time environment differs runs itself (one line says why).
 if (( standby )) && mkdir "$job_tmp/standby"; then

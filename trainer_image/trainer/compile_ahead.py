@@ -7,21 +7,26 @@ compiled in it, against 0.89 s for the same step before them (BENCHMARKS.md, ses
 that nothing else needed at that moment, while the worker spent 9 s importing, making its CUDA context and building
 the model.
 
-The worker's local rank 0 starts ``python -m trainer.compile_ahead <its own arguments>`` right after parsing them
-(``spawn``). That process works out which kernels the run will call, with which dtypes and integers (the same choices
-as the worker: ``parallel.triton_kernels``, ``optimizer.adamw_implementation``, the model's sizes from a model on the
-meta device) and compiles each (``kernels.compile_ahead``: no launch, no device memory) into the on-disk cache. It
-makes no CUDA context (the compile target comes from NVML), so a GPU in exclusive-process mode is left to the
-worker. Nothing waits for it: a kernel the worker reaches first, the worker compiles itself, as before (Triton's
-cache writes are atomic). It logs one line (what it compiled, in how long, or why not) and always exits 0.
-Off with ``TRAINER_COMPILE_AHEAD=0``; never on a machine without an NVIDIA device, nor for ``train.device=cpu``.
+``python -m trainer.compile_ahead <the trainer's arguments>`` works out which kernels the run will call, with which
+dtypes and integers (the same choices as the worker: ``parallel.triton_kernels``, ``optimizer.adamw_implementation``,
+the model's sizes from a model on the meta device, the world size from ``WORLD_SIZE``) and compiles each
+(``kernels.compile_ahead``: no launch, no device memory) into the on-disk cache, in the order a step first calls
+them, each kernel's launcher right after it. It makes no CUDA context (the compile target comes from NVML), so a GPU
+in exclusive-process mode is left to the worker. Nothing waits for it: a kernel the worker reaches first, the
+worker compiles itself, as before (Triton's cache writes are atomic). It logs one line (what it compiled, in how
+long and where the time went, or why not; nothing for arguments the worker itself rejects) and always exits 0.
 
-Not run on a GPU yet (session 13's device call for it was lost): whether the worker then finds every kernel in the
-cache is what ``bench/compile_ahead_check.py`` checks, and the goodput run's first step shows what it saves.
+Who starts it, once per node: ``entrypoint.sh``, before ``ft_launcher`` (whose own start-up, ~2-4 s, is then a head
+start: in session 14's goodput run the worker's process started it and the worker reached its first kernel ~2 s
+before it was done), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts another. Without the
+entrypoint (``torchrun -m trainer``) the worker of local rank 0 starts it right after parsing its arguments, in its
+first attempt only (a restarted worker finds the cache filled). Off with ``TRAINER_COMPILE_AHEAD=0``; never on a
+machine without an NVIDIA device, nor for ``train.device=cpu``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -30,12 +35,20 @@ import time
 ENV = "TRAINER_COMPILE_AHEAD"
 
 
-def wanted(cfg) -> bool:  # noqa: ANN001 - a JobConfig (trainer.config), without importing torch here
-    """Whether this process should start the compiling process: the run may use the Triton kernels, on a machine
-    with an NVIDIA device, from local rank 0 only (one compile per node), unless ``TRAINER_COMPILE_AHEAD=0``."""
-    if os.environ.get(ENV, "1") == "0" or cfg.train.device == "cpu":
+def uses_triton(cfg) -> bool:  # noqa: ANN001 - a JobConfig (trainer.config), without importing torch here
+    """Whether the run of ``cfg`` may call the Triton kernels at all (a GPU run whose kernels or AdamW may be them)."""
+    if cfg.train.device == "cpu":
         return False
-    if cfg.train.kernels == "torch" and cfg.optim.implementation not in ("auto", "triton"):
+    return cfg.train.kernels != "torch" or cfg.optim.implementation in ("auto", "triton")
+
+
+def wanted(cfg) -> bool:  # noqa: ANN001
+    """Whether this worker should start the compiling process: the run may use the Triton kernels, on a machine with
+    an NVIDIA device, from local rank 0 only (one per node), in the first attempt only, unless the entrypoint
+    started it already (``TRAINER_COMPILE_AHEAD=started``) or it is off (``TRAINER_COMPILE_AHEAD=0``)."""
+    if os.environ.get(ENV, "1") in ("0", "started") or not uses_triton(cfg):
+        return False
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         return False
     return os.environ.get("LOCAL_RANK", "0") == "0" and os.path.exists("/dev/nvidiactl")
 
@@ -113,39 +126,52 @@ def _target_without_a_context() -> None:
     active.get_current_stream = lambda device=None: 0  # asked for before a warm-up returns: no launch uses it
 
 
-def _launchers(compiled: list) -> int:
-    """Build each kernel's host-side launcher too (Triton compiles one per signature, with the C compiler, at the
-    kernel's first launch, and caches it on disk beside the kernels): no CUDA context needed."""
+def _launcher(kernel) -> int:  # noqa: ANN001 - Triton's CompiledKernel
+    """Build the kernel's host-side launcher too (Triton compiles one per signature, with the C compiler, at the
+    kernel's first launch, and caches it on disk beside the kernels): no CUDA context needed. 1 if built."""
     from triton.runtime import driver
 
-    built = 0
-    for kernel in compiled:
-        try:
-            driver.active.launcher_cls(kernel.src, kernel.metadata)
-            built += 1
-        except Exception:  # noqa: BLE001 - this Triton's launcher is made differently: the worker makes it
-            pass
-    return built
+    try:
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - this Triton's launcher is made differently: the worker makes it
+        return 0
+    return 1
 
 
 def main(argv: list[str]) -> int:
     started = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        phases[name] = time.perf_counter() - started - sum(phases.values())
+
     try:
         from trainer.config import parse_args
 
-        _, cfg = parse_args(argv)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):  # the worker reports bad arguments
+            try:
+                _, cfg = parse_args(argv)
+            except (SystemExit, ValueError):
+                return 0
+        if not uses_triton(cfg):
+            return 0
         details = plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if not details["which"] and details["adamw_coef"] is None:
             return 0
+        mark("imports and plan")
         _target_without_a_context()  # no NVML: nothing compiled ahead (never a CUDA context beside the worker's)
         from trainer import kernels
 
-        compiled = kernels.compile_ahead(**details)
-        launchers = _launchers(compiled)
-        print(f"trainer.compile_ahead: {len(compiled)} Triton kernel(s) and {launchers} launcher(s) compiled or "
-              f"found in the cache in "
-              f"{time.perf_counter() - started:.2f} s ({', '.join(sorted(details['which']))}"
-              f"{', adamw' if details['adamw_coef'] is not None else ''})", file=sys.stderr)
+        compiled = launchers = 0
+        for kernel in kernels.compile_ahead(**details):
+            compiled += 1
+            launchers += _launcher(kernel)
+        mark("compile")
+        print(f"trainer.compile_ahead: {compiled} Triton kernel(s) and {launchers} launcher(s) compiled or found in "
+              f"the cache in {time.perf_counter() - started:.2f} s "
+              f"({', '.join(f'{name} {s:.2f} s' for name, s in phases.items())}; "
+              f"{', '.join(sorted(details['which']))}{', adamw' if details['adamw_coef'] is not None else ''})",
+              file=sys.stderr)
     except BaseException as exc:  # noqa: BLE001 - an optimisation: the worker compiles what it needs itself
         print(f"trainer.compile_ahead: nothing compiled ahead ({type(exc).__name__}: {exc})", file=sys.stderr)
     return 0

@@ -22,6 +22,8 @@ only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -200,21 +202,26 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def compile_ahead(which: frozenset[str], *, vocab: int, activation_numel: int, param_numels: list[int],
-                  dtype: torch.dtype, adamw_coef: bool | None) -> list:
+                  dtype: torch.dtype, adamw_coef: bool | None) -> Iterator:
     """Compile, without launching anything or allocating memory (``JITFunction.warmup``), the kernels of ``which``
     (``triton_kernels``'s names) and, unless ``adamw_coef`` is None, ``adamw_step`` on the compute-dtype gradients
     (with clipping's coefficient when True), with the argument types and integers the launchers above pass for a
     model of this vocabulary, activation size (tokens x FFN width) and parameter sizes: Triton's cache key is the
     kernel, its constants, each pointer's dtype and each integer's class (1, a multiple of 16, 64-bit), so the run's
-    first calls find them in the on-disk cache (``trainer/compile_ahead.py``). Returns Triton's compiled kernels."""
+    first calls find them in the on-disk cache (``trainer/compile_ahead.py``). Yields Triton's compiled kernels one
+    by one, in the order a training step first calls them (SwiGLU's forward in the first block, the loss, its
+    backward, SwiGLU's backward, then the optimizer's), so a worker that catches up finds the earliest ones done."""
     f32, i64, grid = torch.float32, torch.int64, (1,)
+    loss = "loss" in which
+    swiglu = "swiglu" in which
     calls: list = []
-    if "loss" in which:
+    if swiglu:
+        calls.append((_swiglu_forward_kernel, (dtype, dtype, dtype, activation_numel), {"BLOCK": POINTWISE_BLOCK}))
+    if loss:
         calls += [(_ce_forward_kernel, (dtype, vocab, i64, f32, f32, vocab), {"BLOCK": LOSS_BLOCK}),
                   (_ce_backward_kernel, (dtype, vocab, i64, f32, f32, vocab), {"BLOCK": LOSS_BLOCK})]
-    if "swiglu" in which:
-        calls += [(_swiglu_forward_kernel, (dtype, dtype, dtype, activation_numel), {"BLOCK": POINTWISE_BLOCK}),
-                  (_swiglu_backward_kernel, (dtype,) * 5 + (activation_numel,), {"BLOCK": POINTWISE_BLOCK})]
+    if swiglu:
+        calls.append((_swiglu_backward_kernel, (dtype,) * 5 + (activation_numel,), {"BLOCK": POINTWISE_BLOCK}))
     sizes = {(n == 1, n % 16 == 0, n >= 2**31): n for n in param_numels}.values()  # one per integer class
     for n in sizes:
         if "grad_upcast" in which:
@@ -222,5 +229,6 @@ def compile_ahead(which: frozenset[str], *, vocab: int, activation_numel: int, p
         if adamw_coef is not None:
             calls.append((_adamw_kernel, (f32, dtype, f32, f32, f32, n, 0.99, 0.1, 0.95, 0.05, 1e-8, 1e-4, 0.5),
                           {"HAS_COEF": adamw_coef, "BLOCK": UPCAST_BLOCK}))
-    return [kernel.warmup(*args, grid=grid, **constants) for kernel, args, constants in calls]
+    for kernel, args, constants in calls:
+        yield kernel.warmup(*args, grid=grid, **constants)
 
