@@ -198,7 +198,9 @@ pynvml_warning="ignore:The pynvml package is deprecated:FutureWarning"
 # The run's Triton kernels compiled into Triton's on-disk cache while ft_launcher and the first workers start
 # (trainer/compile_ahead.py): one process per node, started before ft_launcher so that the launcher's own start-up
 # is a head start; the workers see TRAINER_COMPILE_AHEAD=started and start none of their own. It makes no CUDA
-# context, logs one line and exits 0; TRAINER_COMPILE_AHEAD=0 turns it off.
+# context, logs one line and exits 0; TRAINER_COMPILE_AHEAD=0 turns it off. Its world size is the largest the
+# job can have (PET_NNODES=MIN:MAX: MAX), which chooses the kernels of any size above one rank
+# (an elastic job that then runs at one rank compiles its one-rank kernels itself, as without this).
 if [[ "${TRAINER_COMPILE_AHEAD:-1}" != 0 && -e /dev/nvidiactl ]]; then
   WORLD_SIZE=$(( ${nnodes##*:} * nproc )) LOCAL_RANK=0 python3 -m trainer.compile_ahead "$@" </dev/null >/dev/null &
   ahead_pid=$!

@@ -17,8 +17,8 @@ worker compiles itself, as before (Triton's cache writes are atomic). It logs on
 long and where the time went, or why not; nothing for arguments the worker itself rejects) and always exits 0.
 
 Who starts it, once per node: ``entrypoint.sh``, before ``ft_launcher`` (whose own start-up, ~2-4 s, is then a head
-start: in session 14's goodput run the worker's process started it and the worker reached its first kernel ~2 s
-before it was done), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts another. Without the
+start: in session 14's first goodput run, started by the worker, it finished only during the worker's first step;
+started here, before the first step began), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts another. Without the
 entrypoint (``torchrun -m trainer``) the worker of local rank 0 starts it right after parsing its arguments, in its
 first attempt only (a restarted worker finds the cache filled). Off with ``TRAINER_COMPILE_AHEAD=0``; never on a
 machine without an NVIDIA device, nor for ``train.device=cpu``.
@@ -140,11 +140,6 @@ def _launcher(kernel) -> int:  # noqa: ANN001 - Triton's CompiledKernel
 
 def main(argv: list[str]) -> int:
     started = time.perf_counter()
-    phases: dict[str, float] = {}
-
-    def mark(name: str) -> None:
-        phases[name] = time.perf_counter() - started - sum(phases.values())
-
     try:
         from trainer.config import parse_args
 
@@ -158,7 +153,7 @@ def main(argv: list[str]) -> int:
         details = plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if not details["which"] and details["adamw_coef"] is None:
             return 0
-        mark("imports and plan")
+        planned = time.perf_counter()
         _target_without_a_context()  # no NVML: nothing compiled ahead (never a CUDA context beside the worker's)
         from trainer import kernels
 
@@ -166,10 +161,10 @@ def main(argv: list[str]) -> int:
         for kernel in kernels.compile_ahead(**details):
             compiled += 1
             launchers += _launcher(kernel)
-        mark("compile")
+        done = time.perf_counter()
         print(f"trainer.compile_ahead: {compiled} Triton kernel(s) and {launchers} launcher(s) compiled or found in "
-              f"the cache in {time.perf_counter() - started:.2f} s "
-              f"({', '.join(f'{name} {s:.2f} s' for name, s in phases.items())}; "
+              f"the cache in {done - started:.2f} s (imports and plan {planned - started:.2f} s, compile "
+              f"{done - planned:.2f} s; "
               f"{', '.join(sorted(details['which']))}{', adamw' if details['adamw_coef'] is not None else ''})",
               file=sys.stderr)
     except BaseException as exc:  # noqa: BLE001 - an optimisation: the worker compiles what it needs itself
