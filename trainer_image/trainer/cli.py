@@ -79,6 +79,7 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     outcome: tuple[ExitCode, str] | None = None
     try:
         res = Resources.create(cfg)  # data, device and checkpoint-dir errors are classified like training's
+        res.start_warmup()  # FT: a new GPU worker loads its first step's kernels while it starts (warmstart.py)
         startup.CLOCK.mark("resources")
         resiliency.run(res, train)
         outcome = ExitCode.OK, ""

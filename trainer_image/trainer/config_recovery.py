@@ -194,6 +194,11 @@ class ResiliencyConfig:
     copy is short and its kernels are loaded. H200, ``1b``: the first step comes 0.5 s sooner (in-job 2.32 s
     without, 2.85 s with, same call), but the second step pays 0.27-0.55 s of what the warm-up did. Three goodput
     runs without it lost 0.36-0.43 s less per in-job restart than one with it, in another call (BENCHMARKS.md)."""
+    start_warmup: bool = True
+    """GPU, eager: a new worker loads its first step's kernels (one bare block at the run's shapes, the loss, the
+    optimizer's kernel) in a background thread while it builds its model and restores, and waits for it before the
+    first step (start phase ``warm``) instead of paying for them in that step (``trainer/warmstart.py``). Skipped
+    in a standby's worker (``standby_prewarm`` did it), for a compiled run, and on the CPU."""
     standby_prewarm: bool = True
     """GPU, with warm standby workers (``TRAINER_STANDBY`` in ``entrypoint.sh``): a standby trains a small copy of
     this model (one block, vocabulary <= 4096, 512 tokens) for two steps and frees it before it is needed, so the

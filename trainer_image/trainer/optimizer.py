@@ -137,6 +137,11 @@ def _as_dtensor(tensor: torch.Tensor, like: DTensor) -> DTensor:
                               stride=like.stride())
 
 
+ADAMW_OPTIONS: dict[str, dict[str, Any]] = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                                           "for_loop": {"foreach": False}, "triton": {"triton": True}}
+"""``torch.optim.AdamW``'s (``LocalShardAdamW``'s) options for each ``adamw_implementation``."""
+
+
 def adamw_implementation(cfg: OptimConfig, device: torch.device, one_rank: bool = False) -> str:
     """``auto``: on GPU, with one rank (``OneRank``) and Triton, the Triton kernel that reads the bf16 gradients
     itself, else the fused CUDA kernel (both elementwise, so reruns stay deterministic); on CPU the per-parameter

@@ -209,6 +209,22 @@ def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
     return frozenset({"loss", "grad_upcast"})
 
 
+def set_kernels(model: nn.Module, cfg: TrainConfig, device: torch.device) -> frozenset[str]:
+    """The kernels of ``[train]`` on an unwrapped ``model``: each block's RoPE kernel and activation (the Triton
+    SwiGLU), and the loss; returns the Triton kernels that run (``triton_kernels``). Used by ``apply_fsdp`` and by
+    a new worker's warm-up (``trainer/warmstart.py``)."""
+    triton = triton_kernels(cfg, device)
+    if triton:
+        from trainer import kernels
+    for block in model.layers:  # type: ignore[attr-defined]
+        block.attention.rope_kernel = rope_kernel(cfg)
+        if "swiglu" in triton:
+            block.feed_forward.activation = kernels.swiglu
+    model.loss_fn = loss.build(cfg.chunked_loss, compiled=cfg.compile and cfg.compile_loss,  # type: ignore[assignment]
+                               plain=model.loss_fn, triton="loss" in triton)
+    return triton
+
+
 def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_clip: float = 0.0) -> nn.Module:
     """The execution choices of ``[train]``: the RoPE kernel and the loss, activation checkpointing and
     ``torch.compile`` per block (optional), then FSDP2 units: each block, the embedding, [final norm, output],
@@ -230,13 +246,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
     # auto: FSDP2 with more ranks (with one, its gather again is a copy that costs time); OneRank always (a cast)
     reshard = {"auto": dist.get_world_size() > 1 or direct, "always": True, "never": False}[cfg.reshard_after_forward]
     layers = model.layers  # type: ignore[attr-defined]
-    triton = triton_kernels(cfg, device)
-    if triton:
-        from trainer import kernels
+    triton = set_kernels(model, cfg, device)
     for idx, block in enumerate(layers):
-        block.attention.rope_kernel = rope_kernel(cfg)
-        if "swiglu" in triton:
-            block.feed_forward.activation = kernels.swiglu
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
@@ -244,15 +255,15 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, grad_cl
         if not direct:  # the last block's parameters are needed again right away by the backward; keep them
             fully_shard(block, mp_policy=policy, reshard_after_forward=reshard and idx < len(layers) - 1)
         layers[idx] = block
-    compile_loss = cfg.compile and cfg.compile_loss
-    if compile_loss:
+    if cfg.compile and cfg.compile_loss:
         model.norm = torch.compile(model.norm)  # type: ignore[assignment]
-    model.loss_fn = loss.build(cfg.chunked_loss, compiled=compile_loss, plain=model.loss_fn,  # type: ignore[assignment]
-                               triton="loss" in triton)
     if direct:
         blocks = list(layers)[:-1] if reshard else []  # the last one: as above
+        upcast = None
+        if "grad_upcast" in triton:
+            from trainer.kernels import scaled_upcast as upcast
         return OneRank.apply(model, policy.param_dtype or torch.float32, device, grad_clip, reshard_blocks=blocks,
-                             scaled_upcast=kernels.scaled_upcast if "grad_upcast" in triton else None)
+                             scaled_upcast=upcast)
     if model.output is not None:  # untied; tied: the embedding and the norm stay with the root
         fully_shard(model.tok_embeddings, mp_policy=policy, reshard_after_forward=reshard)  # type: ignore[arg-type]
         fully_shard([model.norm, model.output], mp_policy=policy, reshard_after_forward=False)  # type: ignore[list-item]

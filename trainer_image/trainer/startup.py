@@ -14,6 +14,8 @@ Phases of a new process, in order (each ends where the next begins):
 - ``process_group``: the default process group and the checkpoint manager's own;
 - ``model``: model build and sharding, optimizer, data loader;
 - ``restore``: ``load_latest`` (whichever tier it reads);
+- ``warm`` (a new GPU worker with ``resiliency.start_warmup``): waiting for its warm-up thread to finish
+  (``trainer/warmstart.py``), where it did not finish beside the phases before;
 - ``first_step``: to the end of the first training step after it (the ledger's "first productive step").
 
 An in-process restart begins again at ``train()``'s entry (``process_group`` ... ``first_step``). The ledger adds
@@ -46,7 +48,7 @@ server may now warm a replacement for it, configured from that record (``trainer
 PREWARMED = False
 """This process ran ``trainer.prewarm.prewarm`` (a standby that became a worker: ``trainer/standby.py``)."""
 
-PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "first_step")
+PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "warm", "first_step")
 
 
 def process_start_time() -> float:

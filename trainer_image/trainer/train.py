@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import parallel, resiliency, startup
+from trainer import parallel, resiliency, startup, warmstart
 from trainer.checkpoint import CheckpointManager, committed_steps, premap
 from trainer.config import ConfigError, JobConfig, OptimConfig
 from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
-from trainer.optimizer import LocalShardAdamW, adamw_implementation
+from trainer.optimizer import ADAMW_OPTIONS, LocalShardAdamW, adamw_implementation
 from trainer.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,12 @@ class Resources:
     started_at: float = field(default_factory=time.time)
     warm: bool = False
     """A training step ran in this process: the allocator's cache and the kernels are warm."""
+    warmup: warmstart.Warmup | None = None
+    """``resiliency.start_warmup`` running beside this new process's start; joined before its first step."""
+
+    def start_warmup(self) -> None:
+        """A new worker's warm-up in the background (``trainer/warmstart.py``), once its device is chosen."""
+        self.warmup = warmstart.start(self.cfg, self.device, self.env.world_size)
 
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
@@ -124,10 +130,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "tok_embeddings" in n]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kernel: dict[str, dict[str, Any]] = {"fused": {"fused": True}, "foreach": {"foreach": True},
-                                         "for_loop": {"foreach": False}, "triton": {"triton": True}}
     one_rank = getattr(model, "_one_rank", None)
-    options = kernel[adamw_implementation(cfg, next(model.parameters()).device, one_rank=one_rank is not None)]
+    options = ADAMW_OPTIONS[adamw_implementation(cfg, next(model.parameters()).device, one_rank=one_rank is not None)]
     if options.get("triton") and one_rank is not None:  # it reads the compute-dtype gradients itself
         options = {**options, "handed": one_rank.hand_over_gradients()}
     # FT: stepped on the local shards: AdamW over DTensors leaks host memory per step on torch 2.10/2.11, which every
@@ -183,6 +187,10 @@ def train(
         if restored is None and res.base_model is not None:
             res.base_model.load_into(model)  # a fresh start from model.from_hf: this rank's shards only
         startup.CLOCK.mark("restore")
+        if res.warmup is not None:  # FT: what it has not finished, the start waits for (phase warm), not step 1
+            log.info("start warm-up: %s", res.warmup.wait())
+            res.warmup = None
+            startup.CLOCK.mark("warm")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException:
         startup.CLOCK.note("left_train")  # FT: the in-process restart's phases (startup.py)
