@@ -22,7 +22,11 @@ of its start (recovery layers, in-process Wrapper, process group, model build, r
   parameter, optimizer state or data position of the run.
 
 ``train()`` waits for it (phase ``warm`` of the start's log line) before the first step: what it did not finish by
-then the start pays, never the first step. It is skipped for a compiled run (Inductor's kernels are the run's; its
+then the start pays, never the first step. Measured on one H200 (``1b`` eager, BENCHMARKS.md session 15): the first
+step took 0.38-0.46 s with it against 1.20-1.41 s without (2.7-3.2 s on a cold Triton cache); the start as a whole
+did not get shorter (device chosen to the end of step 1: median 4.07 s with it, 4.04 s without, five pairs): beside
+the thread the main thread's process group and recovery layers take longer (likely the GIL: Triton's first calls
+are Python) and its model build shorter. What it buys is a first step that costs like the others. It is skipped for a compiled run (Inductor's kernels are the run's; its
 cache on disk serves them), on the CPU, in a standby's worker (``trainer/prewarm.py`` warmed it), and when the device
 has less than twice its estimated memory free. An in-process restart never runs it (its process is warm).
 """
