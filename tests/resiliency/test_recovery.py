@@ -1,7 +1,8 @@
 """Faults injected into 2-rank gloo runs of the tiny model; each run must end bit-identical to a fault-free run.
 
-Short CPU timeouts (gloo 3 s < soft 6 s < hard 12 s < ft_launcher heartbeat 30 s) keep the directory
-within a few minutes on 2 cores. After every scenario: no process, listening port or /dev/shm entry of
+Short CPU timeouts (gloo 2 s < soft 4 s < hard 8 s < ft_launcher heartbeat 30 s; 3 < 6 < 12 s in
+test_recovery_exits, whose ranks start under the load of the other tests) keep the directory within a few
+minutes on 2 cores. After every scenario: no process, listening port or /dev/shm entry of
 the run is left behind.
 """
 
@@ -37,15 +38,28 @@ SMALL_BATCHES = ["--train.batch_size=2", "--data.seq_len=64"]
 # test_node_memory runs the preset as it is: its watch must see the run for seconds before it kills a worker.
 PRESET = ["--config", "tiny", "--train.steps=%d" % STEPS, "--checkpoint.interval=2", "--checkpoint.keep=3"]
 BASE = [*PRESET, *SMALL_BATCHES]
-INPROCESS = [
-    "--resiliency.inprocess=true", "--resiliency.collective_timeout_s=3", "--resiliency.soft_timeout_s=6",
-    "--resiliency.hard_timeout_s=12", "--resiliency.heartbeat_timeout_s=10", "--resiliency.termination_grace_s=2",
-]
-FT_ENV = {  # nest outward: ft heartbeat 30 s > hard 12 s + grace 2 s + margin 10 s
+
+
+def inprocess(collective_s, soft_s, hard_s, grace_s):
+    """The in-process layer's flags, its timeouts nested: collective < soft < hard (+ grace) < FT_ENV's heartbeat."""
+    assert collective_s < soft_s < hard_s and hard_s + grace_s + 10 < int(FT_ENV["FT_RANK_HEARTBEAT_TIMEOUT"])
+    return ["--resiliency.inprocess=true", f"--resiliency.collective_timeout_s={collective_s}",
+            f"--resiliency.soft_timeout_s={soft_s}", f"--resiliency.hard_timeout_s={hard_s}",
+            "--resiliency.heartbeat_timeout_s=10", f"--resiliency.termination_grace_s={grace_s}"]
+
+
+FT_ENV = {  # nest outward: ft heartbeat 30 s > hard timeout + grace + margin 10 s (INJOB_MARGIN_S) for both sets below
     "FT_RANK_HEARTBEAT_TIMEOUT": "30", "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT": "60", "FT_WORKLOAD_CHECK_INTERVAL": "1",
     "FT_WORKERS_STOP_TIMEOUT": "5", "FT_TERM_TIMEOUT": "20",
 }
 GRACE = ["--resiliency.preemption_grace_s=10"]
+# test_recovery_exits starts its ranks two at a time with other tests: a rank's start may lag the other's by seconds.
+INPROCESS = inprocess(collective_s=3, soft_s=6, hard_s=12, grace_s=2)
+# This module's runs have the machine to themselves (serial), and a hang ends only at a timeout (hang_gil: hard +
+# grace; the GIL-free hang: soft), so theirs are shorter: with 12 + 2 s and soft 6 s the hang_gil test took 24 s
+# (alone), with these 19 s; the in-process launch ~2 s less.
+HARD_S = 8
+HANGS = inprocess(collective_s=2, soft_s=4, hard_s=HARD_S, grace_s=1)
 
 
 def _run(cmd, run_dir, env_extra=None, timeout=150):
@@ -145,7 +159,7 @@ def inprocess_run(tmp_path_factory, tiny_dataset):
     """One torchrun launch with both in-process faults on rank 1: an exception at the start of step 5, a GIL-free
     hang at the start of step 8 (each test below checks one of them in this run's ledger)."""
     run_dir = tmp_path_factory.mktemp("inprocess")
-    rc, out, _ = torchrun(run_dir, tiny_dataset, *INPROCESS, "--resiliency.faults=1:5:exception,1:8:hang")
+    rc, out, _ = torchrun(run_dir, tiny_dataset, *HANGS, "--resiliency.faults=1:5:exception,1:8:hang")
     assert rc == 0, out[-4000:]
     return run_dir, out
 
@@ -188,13 +202,13 @@ def test_hang_is_recovered_in_process(inprocess_run, reference):
     run_dir, _ = inprocess_run
     recovered = _recovered(run_dir, "hang")
     assert recovered["layer"] == "inprocess" and recovered["fault_step"] == 8
-    assert recovered["recovery_s"] < 12 + 10, "a GIL-free hang must be recovered before the hard timeout"
+    assert recovered["recovery_s"] < HARD_S + 10, "a GIL-free hang must be recovered before the hard timeout"
     assert {r["iteration"] for r in events(run_dir, "restart")} == {1, 2}, "one in-process restart per fault"
     assert_same_weights(run_dir, reference)
 
 
 def test_hang_holding_the_gil_is_recovered_in_job(tmp_path, tiny_dataset, reference):
-    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *INPROCESS, *GRACE, "--resiliency.faults=1:5:hang_gil")
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *HANGS, *GRACE, "--resiliency.faults=1:5:hang_gil")
     assert rc == 0, out[-4000:]
     (recovered,) = events(tmp_path, "recovered")
     assert recovered["layer"] == "injob" and recovered["fault_kind"] == "hang_gil"
