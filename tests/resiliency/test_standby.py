@@ -203,7 +203,8 @@ def test_import_time_environment(theirs, why):
 
 # --- end to end -----------------------------------------------------------------------------------------------
 
-E2E_STEPS = 60  # long enough for both standbys to warm (at the lowest priority, on 2 busy cores) before the kill
+E2E_STEPS = 40  # both standbys must warm (at the lowest priority, on 2 busy cores) before the kill: alone, ~4 s after
+# the first step, at step ~7 (with 60 steps the run went on ~9 s after the kill; this leaves ~5 s)
 
 
 def _e2e_args(run_dir: Path, dataset: Path) -> list[str]:
