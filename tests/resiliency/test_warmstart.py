@@ -77,3 +77,21 @@ def test_skipped_when_the_device_lacks_twice_its_memory(monkeypatch):
     assert line.startswith("skipped: 20.0 GiB free on cuda:0, the warm-up needs "), line
     assert warmstart.warm_kernels(load_config("1b", ["--data.path=d"]), torch.device("cuda", 0), 1) == (
         "skipped: a compiled run's kernels are Inductor's (its cache on disk serves them)")
+
+
+@pytest.mark.parametrize("world_size, coef", [(1, True), (2, False)])
+def test_the_triton_adamw_is_warmed_as_the_run_calls_it(monkeypatch, world_size, coef):
+    """One rank: OneRank hands it the compute-dtype gradients with clipping's coefficient; FSDP2: fp32 gradients,
+    clipped already (no coefficient). Triton is not on this machine: a stand-in records the calls."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("trainer.kernels")
+    fake.adamw_step = lambda param, grad, m, v, c, **kw: calls.append((param.numel(), grad.dtype, c is not None))
+    monkeypatch.setitem(sys.modules, "trainer.kernels", fake)
+    monkeypatch.setattr(warmstart, "adamw_implementation", lambda *args, **kw: "triton")
+    cfg = load_config("tiny", ["--data.path=d", "--train.device=cpu", "--optim.grad_clip=1.0", "--model.vocab_size=512"])
+    line = warmstart._optimizer_pass(cfg, torch.device("cpu"), world_size, frozenset())
+    assert line == "triton on 1 size class(es)"
+    assert calls == [(4096, torch.float32, coef)]

@@ -128,11 +128,12 @@ def _optimizer_pass(cfg: JobConfig, device: torch.device, world_size: int, trito
     coef = torch.ones(1, device=device) if cfg.optim.grad_clip > 0 else None
     for n in integer_classes(numels):
         param, grad = torch.zeros(n, device=device), torch.zeros(n, device=device, dtype=dtype)
-        if name == "triton" and one_rank:  # it reads OneRank's compute-dtype gradients, with clipping's coefficient
-            from trainer import kernels
+        if name == "triton":  # with one rank it reads OneRank's compute-dtype gradients with clipping's coefficient;
+            from trainer import kernels  # with FSDP2, the fp32 gradients (clipped already)
 
-            kernels.adamw_step(param, grad, torch.zeros_like(param), torch.zeros_like(param), coef, lr=1e-4,
-                               beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1.0)
+            kernels.adamw_step(param, grad if one_rank else grad.float(), torch.zeros_like(param),
+                               torch.zeros_like(param), coef if one_rank else None, lr=1e-4, beta1=0.9, beta2=0.95,
+                               eps=1e-8, weight_decay=0.1, step=1.0)
             continue
         if "grad_upcast" in triton and one_rank:
             from trainer import kernels
