@@ -6,7 +6,8 @@
 #
 #   source bench/gpu_env.sh && BENCH_DATA=$PWD/.benchdata/data OUT=$OUT bash bench/first_step.sh
 #
-# Prints per run one JSON line: the start phases of rank 0 and the times of steps 1-3. FIRST_STEP_RUNS (3) pairs;
+# Prints per run the first `start` line of `bench/figures.py starts` (rank 0's phases, `first_step` the step's time;
+# the run's name says whether the warm-up ran) and, on stderr, its warm-up line. FIRST_STEP_RUNS (3) pairs;
 # FIRST_STEP_PROFILE=1 adds one run of each with `--train.profile_steps=1-1` (a Chrome trace of step 1 in $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,25 +24,10 @@ run() {  # name warm [overrides...]
     --config 1b --data.path="$DATA" --train.run_dir="$OUT/$name" --checkpoint.dir="$CKPT_ROOT" --train.log_every=1 \
     --train.compile=false --resiliency.inprocess=true --train.steps=5 --checkpoint.interval=0 \
     --resiliency.start_warmup="$warm" "$@" ${TRAINER_OVERRIDES:-} >"$OUT/$name.log" 2>&1
-  local rc=$?
+  echo "== $name: exit $?" >&2
   rm -rf "$CKPT_ROOT"
-  python3 - "$OUT/$name" "$name" "$warm" "$rc" <<'PY'
-import json, re, sys
-from pathlib import Path
-run, name, warm, rc = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-log = (run / "logs" / "trainer-rank0.log")
-text = log.read_text(errors="replace") if log.is_file() else ""
-phases = re.search(r"start phases \(s\): (.*?); ([\d.]+) s from process start", text)
-warmed = re.search(r"start warm-up: (.*)", text)
-steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in l] \
-    if (run / "metrics.jsonl").is_file() else []
-times = {r["step"]: r["step_time_s"] for r in steps if r.get("event") == "step"}
-print(json.dumps({"figure": "first_step", "run": name, "start_warmup": warm == "true", "rc": rc,
-                  "phases": dict((k, float(v)) for k, v in (p.split() for p in phases[1].split(", "))) if phases else None,
-                  "start_s": float(phases[2]) if phases else None,
-                  "steps_s": [round(times[s], 4) for s in sorted(times)[:3]],
-                  "warm_up": warmed[1][:220] if warmed else None}))
-PY
+  python3 bench/figures.py starts "$OUT/$name" | head -1  # its first start: phases, first_step included
+  grep -h "start warm-up" "$OUT/$name/logs/trainer-rank0.log" | cut -c1-240 >&2
 }
 
 for i in $(seq "${FIRST_STEP_RUNS:-3}"); do

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from trainer import startup
 from trainer.config import load_config
-from trainer.prewarm import estimate_bytes, one_step, prewarm, small_config
+from trainer.prewarm import BYTES_PER_PARAM, one_step, prewarm, small_config
+from trainer.warmstart import estimate_bytes
 from trainer.standby import DEFAULT_TARGET, Standby
 
 
@@ -65,7 +66,7 @@ def test_small_config_keeps_the_shape_of_a_block_and_shrinks_the_rest():
         (cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim)
     assert (small.model.n_layers, small.model.vocab_size, small.data.seq_len, small.train.batch_size) == (1, 4096, 512, 1)
     assert not small.train.compile and cfg.train.compile and cfg.model.n_layers == 16  # a copy
-    assert 1 * 2**30 < estimate_bytes(small) < 2 * 2**30
+    assert 1 * 2**30 < estimate_bytes(small, BYTES_PER_PARAM) < 2 * 2**30
 
 
 def test_prewarm_is_skipped_when_the_device_lacks_twice_its_memory(monkeypatch):

@@ -43,15 +43,19 @@ def test_model_and_optimizer_passes_run_the_trainers_code_and_draw_from_no_rng()
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_the_thread_reports_its_line_and_a_failure_as_one(monkeypatch):
-    cfg = load_config("tiny", ["--data.path=d", "--train.device=cpu"])
-    assert warmstart.Warmup(cfg, torch.device("cpu"), 1).wait() == "nothing to warm on the CPU"
+def test_the_thread_runs_on_the_workers_device_and_reports_a_failure_as_one_line(monkeypatch):
+    cfg = load_config("tiny", ["--data.path=d"])
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)  # no GPU here: the thread's device is recorded
+    monkeypatch.setattr(warmstart, "warm_kernels", lambda cfg, device, world_size: f"warmed on {device}")
+    assert warmstart.Warmup(cfg, torch.device("cuda", 1), 1).wait() == "warmed on cuda:1"
+    assert current == [torch.device("cuda", 1)]
 
     def broken(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB\nmore")
 
     monkeypatch.setattr(warmstart, "warm_kernels", broken)
-    assert warmstart.Warmup(cfg, torch.device("cpu"), 1).wait() == (
+    assert warmstart.Warmup(cfg, torch.device("cuda", 0), 1).wait() == (
         "failed (OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB); the first step loads what it "
         "needs itself")
 
@@ -74,9 +78,7 @@ def test_skipped_when_the_device_lacks_twice_its_memory(monkeypatch):
     cfg = load_config("1b", ["--data.path=d", "--train.compile=false"])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * 2**30, 141 * 2**30))
     line = warmstart.warm_kernels(cfg, torch.device("cuda", 0), 1)
-    assert line.startswith("skipped: 20.0 GiB free on cuda:0, the warm-up needs "), line
-    assert warmstart.warm_kernels(load_config("1b", ["--data.path=d"]), torch.device("cuda", 0), 1) == (
-        "skipped: a compiled run's kernels are Inductor's (its cache on disk serves them)")
+    assert line == "skipped: 20.0 GiB free on cuda:0, the warm-up needs 22.0 GiB (twice that free)", line
 
 
 @pytest.mark.parametrize("world_size, coef", [(1, True), (2, False)])

@@ -18,10 +18,10 @@ long and where the time went, or why not; nothing for arguments the worker itsel
 
 Who starts it, once per node: ``entrypoint.sh``, before ``ft_launcher`` (whose own start-up, ~2-4 s, is then a head
 start: in session 14's first goodput run, started by the worker, it finished only during the worker's first step;
-started here, before the first step began), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts another. Without the
-entrypoint (``torchrun -m trainer``) the worker of local rank 0 starts it right after parsing its arguments, in its
-first attempt only (a restarted worker finds the cache filled). Off with ``TRAINER_COMPILE_AHEAD=0``; never on a
-machine without an NVIDIA device, nor for ``train.device=cpu``.
+started here, before the first step began), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts
+another. Without the entrypoint (``torchrun -m trainer``) the worker of local rank 0 starts it right after parsing its
+arguments, in its first attempt only (a restarted worker finds the cache filled). Off with
+``TRAINER_COMPILE_AHEAD=0``; never on a machine without an NVIDIA device, nor for ``train.device=cpu``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ code (``build_model``, ``build_optimizer``) on the rank's device, then freed and
 What stays is what was loaded, not memory. Nothing compiled: a compiled run's kernels are specific to its shapes
 (Inductor's cache on disk serves those).
 
-It needs about ``estimate_bytes`` of free device memory, beside the running worker's: it is skipped, with a
+It needs about ``warmstart.estimate_bytes`` of free device memory, beside the running worker's: it is skipped, with a
 reason, when less than twice that is free.
 """
 
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from trainer import parallel, startup
 from trainer.config import JobConfig
-from trainer.model import count_params
 from trainer.train import build_model, build_optimizer
+from trainer.warmstart import estimate_bytes, too_little_memory
 
 LAYERS = 1
 TOKENS = 512
@@ -53,23 +53,15 @@ def small_config(cfg: JobConfig, layers: int = LAYERS, tokens: int = TOKENS, voc
     return small
 
 
-def estimate_bytes(small: JobConfig) -> int:
-    """Device memory the warm-up of ``small`` needs, roughly: its parameters' state and one sequence's activations."""
-    activations = small.data.seq_len * (small.model.vocab_size * 8 + small.model.dim * 64)
-    return count_params(small.model)["total"] * BYTES_PER_PARAM + activations
-
-
 def prewarm(cfg: JobConfig, device: torch.device, **size: int) -> str:
     """Two training steps of ``small_config(cfg, **size)`` on ``device``, everything freed after; returns a line
     for the log (what ran and how long it took, or why it was skipped)."""
     if device.type != "cuda":
         return "nothing to warm on the CPU"
     small = small_config(cfg, **size)
-    need = estimate_bytes(small)
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < 2 * need:
-        return (f"skipped: {free / 2**30:.1f} GiB free on {device}, the warm-up needs {need / 2**30:.1f} GiB "
-                "(twice that free)")
+    skipped = too_little_memory(estimate_bytes(small, BYTES_PER_PARAM), device)
+    if skipped:
+        return skipped
     started = time.perf_counter()
     one_step(small, device)
     startup.PREWARMED = True

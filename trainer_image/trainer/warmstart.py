@@ -26,9 +26,12 @@ then the start pays, never the first step. Measured on one H200 (``1b`` eager, B
 step took 0.38-0.46 s with it against 1.20-1.41 s without (2.7-3.2 s on a cold Triton cache); the start as a whole
 did not get shorter (device chosen to the end of step 1: median 4.07 s with it, 4.04 s without, five pairs): beside
 the thread the main thread's process group and recovery layers take longer (likely the GIL: Triton's first calls
-are Python) and its model build shorter. What it buys is a first step that costs like the others. It is skipped for a compiled run (Inductor's kernels are the run's; its
-cache on disk serves them), on the CPU, in a standby's worker (``trainer/prewarm.py`` warmed it), and when the device
-has less than twice its estimated memory free. An in-process restart never runs it (its process is warm).
+are Python) and its model build shorter. What it buys is a first step that costs like the others.
+
+``start`` decides whether it runs: not for a compiled run (Inductor's kernels are the run's; its cache on disk
+serves them), on the CPU, or in a standby's worker (``trainer/prewarm.py`` warmed it); ``warm_kernels`` skips it,
+with a reason, when the device has less than twice its estimated memory free (``too_little_memory``, the rule
+``trainer/prewarm.py`` follows too). An in-process restart never runs it (its process is warm).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from trainer.config import JobConfig
 from trainer.model import Transformer, count_params
 from trainer.optimizer import ADAMW_OPTIONS, adamw_implementation
 
-FREE_FACTOR = 2
-"""Free device memory it needs: this many times ``estimate_bytes``."""
+BYTES_PER_PARAM = 8
+"""A bare parameter: fp32, its compute-dtype copy and that copy's gradient (no optimizer state)."""
 
 
 def bare_config(cfg: JobConfig) -> JobConfig:
@@ -57,11 +60,21 @@ def bare_config(cfg: JobConfig) -> JobConfig:
     return bare
 
 
-def estimate_bytes(bare: JobConfig) -> int:
-    """Device memory the warm-up of ``bare`` needs, roughly: its parameters (fp32, a compute-dtype copy and its
-    gradient) and one batch's activations, the logits' included."""
-    tokens = bare.train.batch_size * bare.data.seq_len
-    return count_params(bare.model)["total"] * 8 + tokens * (bare.model.vocab_size * 8 + bare.model.dim * 64)
+def estimate_bytes(cfg: JobConfig, bytes_per_param: int = BYTES_PER_PARAM) -> int:
+    """Device memory one forward and backward of ``cfg``'s model needs, roughly: its parameters at
+    ``bytes_per_param`` and one batch's activations, the logits' included (also ``trainer/prewarm.py``'s)."""
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    return count_params(cfg.model)["total"] * bytes_per_param + tokens * (cfg.model.vocab_size * 8 + cfg.model.dim * 64)
+
+
+def too_little_memory(need: int, device: torch.device) -> str | None:
+    """Why a warm-up needing ``need`` bytes is skipped on ``device``: less than twice that free (it runs beside a
+    worker, or beside this one's model build); None when it fits."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if free >= 2 * need:
+        return None
+    return (f"skipped: {free / 2**30:.1f} GiB free on {device}, the warm-up needs {need / 2**30:.1f} GiB "
+            "(twice that free)")
 
 
 def integer_classes(numels: list[int]) -> list[int]:
@@ -72,18 +85,12 @@ def integer_classes(numels: list[int]) -> list[int]:
 
 
 def warm_kernels(cfg: JobConfig, device: torch.device, world_size: int) -> str:
-    """The warm-up (see the module's docstring) on ``device``, the current device of the calling thread; returns a
-    line for the log: what ran and how long it took, or why it was skipped."""
-    if device.type != "cuda":
-        return "nothing to warm on the CPU"
-    if cfg.train.compile:
-        return "skipped: a compiled run's kernels are Inductor's (its cache on disk serves them)"
+    """The warm-up (see the module's docstring) of an eager run on the CUDA ``device``, the current device of the
+    calling thread; returns a line for the log: what ran and how long it took, or why it was skipped."""
     bare = bare_config(cfg)
-    need = estimate_bytes(bare)
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < FREE_FACTOR * need:
-        return (f"skipped: {free / 2**30:.1f} GiB free on {device}, the warm-up needs {need / 2**30:.1f} GiB "
-                f"({FREE_FACTOR}x that free)")
+    skipped = too_little_memory(estimate_bytes(bare), device)
+    if skipped:
+        return skipped
     started = time.perf_counter()
     try:
         triton = _model_pass(bare, device)
@@ -155,8 +162,7 @@ class Warmup:
 
     def _run(self, cfg: JobConfig, device: torch.device, world_size: int) -> None:
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # this thread's current device (Triton launches on it)
+            torch.cuda.set_device(device)  # this thread's current device (Triton launches on it)
             self.line = warm_kernels(cfg, device, world_size)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the first step loads what it needs itself
             self.line = f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the first " \
