@@ -5,7 +5,10 @@
 #
 # Reads the rendezvous environment PyTorchJob injects (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
 # PET_MASTER_ADDR / MASTER_ADDR, PET_MASTER_PORT / MASTER_PORT), with local defaults (1 node, 2 workers or
-# NPROC_PER_NODE, 127.0.0.1:29500), and runs `ft_launcher ... -m trainer "$@"` (in-job restart layer).
+# NPROC_PER_NODE, 127.0.0.1:29500), and runs `ft_launcher ... -m trainer "$@"` (in-job restart layer) through
+# trainer/resiliency/launch.py: a node that loses the rendezvous (the node hosting its c10d store is gone) starts a
+# new launcher that joins it again, for up to FT_RDZV_REJOIN_TIMEOUT seconds, its node-local snapshots kept; and a
+# rank of another node that exits with a permanent code stops this node too, with the same code.
 #
 # Knobs (environment; the trainer checks the ones that must nest with its own config):
 #   FT_MAX_RESTARTS                     in-job restart budget (worker-group restarts), default 3
@@ -20,6 +23,9 @@
 #   FT_MONITOR_INTERVAL                 s between ft_launcher's checks of its workers' processes: bounds how long a
 #                                       dead worker goes unnoticed (every in-job restart waits up to it), default 0.1
 #   FT_RESTART_POLICY                   any-failed (default) or min-healthy
+#   FT_RDZV_REJOIN_TIMEOUT              s this node keeps joining the job's rendezvous again after losing it (the
+#                                       node hosting its store is gone: trainer/resiliency/launch.py) before the
+#                                       pod exits 205 RENDEZVOUS_LOST for the cluster layer, default 600
 #   FT_ENABLE_NIC_MONITOR               True/False; default True only where an NVIDIA driver is present
 #   TRAINER_STANDBY                     True/False (or 1/0): keep one warm standby worker per local rank
 #                                       (trainer/standby.py: torch, the trainer and NVRx imported, its CUDA context
@@ -56,7 +62,7 @@
 set -uo pipefail
 
 readonly OK=0 CONFIG_ERROR=2 TERMINATED=143 RESTART_BUDGET_EXHAUSTED=200 UNHEALTHY_NODE=201 PREEMPTED=202 \
-  LAUNCHER_LOST=204
+  LAUNCHER_LOST=204 RENDEZVOUS_LOST=205
 
 log() { printf 'entrypoint: %s\n' "$*" >&2; }
 
@@ -80,6 +86,7 @@ workers_stop_timeout="${FT_WORKERS_STOP_TIMEOUT:-15}"
 check_interval="${FT_WORKLOAD_CHECK_INTERVAL:-5}"
 monitor_interval="${FT_MONITOR_INTERVAL:-0.1}"
 restart_policy="${FT_RESTART_POLICY:-any-failed}"
+rejoin_timeout="${FT_RDZV_REJOIN_TIMEOUT:-600}"
 rdzv_id="${FT_RDZV_ID:-resilient-train}"
 if [[ -n "${FT_ENABLE_NIC_MONITOR:-}" ]]; then
   nic_monitor="$FT_ENABLE_NIC_MONITOR"
@@ -102,7 +109,8 @@ esac
 for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:$master_port" \
             "FT_MAX_RESTARTS:$max_restarts" "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:$initial_hb" \
             "FT_RANK_HEARTBEAT_TIMEOUT:$rank_hb" "FT_TERM_TIMEOUT:$term_timeout" \
-            "FT_WORKERS_STOP_TIMEOUT:$workers_stop_timeout" "FT_WORKLOAD_CHECK_INTERVAL:$check_interval"; do
+            "FT_WORKERS_STOP_TIMEOUT:$workers_stop_timeout" "FT_WORKLOAD_CHECK_INTERVAL:$check_interval" \
+            "FT_RDZV_REJOIN_TIMEOUT:$rejoin_timeout"; do
   require_int "${pair%%:*}" "${pair#*:}"
 done
 if ! [[ "$monitor_interval" =~ ^[0-9]*\.?[0-9]+$ ]] || [[ "$monitor_interval" =~ ^0*\.?0*$ ]]; then
@@ -176,6 +184,9 @@ trap 'stop_standby; [[ -z "$ahead_pid" ]] || kill "$ahead_pid" 2>/dev/null; reap
 exit_dir="$job_tmp/exit-codes"
 mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
 export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
+# This pod's identity in the job (the ledger tells a node that joined from one that was there: trainer/ledger.py),
+# and where its first launcher notes how far the run's ledger went when the pod started (trainer/resiliency/launch.py).
+export TRAINER_NODE_ID="${HOSTNAME:-$(hostname)}/$$/${job_tmp##*.}" TRAINER_LEDGER_OFFSET_FILE="$job_tmp/ledger-offset"
 export PYTHONUNBUFFERED=1
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
 # keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
@@ -215,7 +226,7 @@ if (( standby )) && mkdir "$job_tmp/standby"; then
 fi
 
 launcher=(
-  "${FT_LAUNCHER:-ft_launcher}"
+  python3 -m trainer.resiliency.launch
   --nnodes "$nnodes"
   --nproc-per-node "$nproc"
   --node-rank "$node_rank"
@@ -242,13 +253,19 @@ forward() {  # $1: signal name
   [[ -n "${launcher_pid:-}" ]] && kill -s "$1" "$launcher_pid" 2>/dev/null
 }
 ends_job() { (( ($1 >= 1 && $1 <= 127) || $1 == UNHEALTHY_NODE || $1 == LAUNCHER_LOST )); }  # exitcodes.ends_job
-# The first code a worker recorded that no in-job restart can help, as "<rank> <code>"; empty if none.
+# The first code a worker recorded that no in-job restart can help, as "<rank> <code>"; empty if none. A rank of
+# another node that ended the job (ended-rank-<R>, from trainer/resiliency/launch.py) counts as one of this node's.
 job_ending_exit() {
   local f attempt code
   for f in "$exit_dir"/rank-*; do
     [[ -f "$f" ]] || continue
     read -r attempt code < "$f" || continue
     if ends_job "$code"; then printf '%s %s' "${f##*/rank-}" "$code"; return; fi
+  done
+  for f in "$exit_dir"/ended-rank-*; do
+    [[ -f "$f" ]] || continue
+    read -r code < "$f" || continue
+    if ends_job "$code"; then printf '%s %s' "${f##*/ended-rank-}" "$code"; return; fi
   done
 }
 stopped=""  # "<rank> <code>" of the exit that made this script stop the launcher
@@ -264,13 +281,28 @@ trap 'forward INT' INT
 trap stop_launcher USR1
 
 log "ft_launcher: ${nnodes} node(s) x ${nproc} worker(s), node rank ${node_rank}, rendezvous ${master_addr}:${master_port}, max restarts ${max_restarts}"
-"${launcher[@]}" &
-launcher_pid=$!
-rc=0
+lost_since=""  # when this node lost the rendezvous, while it has not found it again
 while :; do
-  wait "$launcher_pid"
-  rc=$?
-  kill -0 "$launcher_pid" 2>/dev/null || break  # wait returned for a trapped signal: keep waiting
+  began=$SECONDS
+  "${launcher[@]}" &
+  launcher_pid=$!
+  rc=0
+  while :; do
+    wait "$launcher_pid"
+    rc=$?
+    kill -0 "$launcher_pid" 2>/dev/null || break  # wait returned for a trapped signal: keep waiting
+  done
+  (( rc == RENDEZVOUS_LOST )) && [[ -z "$stopped" ]] && (( ! preempted )) || break
+  # A launcher that ran longer than the window had found the rendezvous again: a new loss opens a new window.
+  if [[ -z "$lost_since" ]] || (( SECONDS - began > rejoin_timeout )); then lost_since=$SECONDS; fi
+  if (( SECONDS - lost_since > rejoin_timeout )); then
+    log "the job's rendezvous at ${master_addr}:${master_port} was not found again in ${rejoin_timeout} s"
+    break
+  fi
+  # The next launcher's in-job attempts count from 0 again: this one's workers' codes are not theirs.
+  rm -f -- "$exit_dir"/rank-*
+  log "lost the job's rendezvous (the node hosting its store is gone): joining it again, this node's snapshots kept"
+  sleep 1
 done
 
 # The workers' codes of the last in-job attempt ("<attempt> <code>" per rank).
@@ -289,12 +321,14 @@ done
 
 final=$RESTART_BUDGET_EXHAUSTED
 reason="ft_launcher gave up (exit ${rc}) after at most ${max_restarts} in-job restarts"
+(( rc == RENDEZVOUS_LOST )) && final=$RENDEZVOUS_LOST && reason="the job's rendezvous was lost and not found again"
 permanent=""
 for code in "${codes[@]}"; do
   if (( code >= 1 && code <= 127 )) && [[ -z "$permanent" ]]; then permanent=$code; fi
 done
 if [[ -n "$stopped" ]]; then
   final=${stopped#* }; reason="rank ${stopped% *} exited ${final}; no in-job restart (after one attempt)"
+  [[ -f "$exit_dir/ended-rank-${stopped% *}" ]] && reason="rank ${stopped% *}, on another node, exited ${final}; this node stops too"
 elif [[ " ${codes[*]} " == *" $PREEMPTED "* ]]; then
   final=$PREEMPTED; reason="preempted: the final checkpoint was committed"
 elif (( preempted )); then

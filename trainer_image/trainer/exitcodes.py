@@ -63,6 +63,10 @@ class ExitCode(enum.IntEnum):
     """This worker lost ft_launcher: its rank monitor or the launcher's IPC socket is gone (BrokenPipe,
     ConnectionRefused). ft_launcher 0.4.1 never respawns a rank monitor, so an in-job restart would fail the
     same way: ``entrypoint.sh`` stops the launcher and the pod exits with this code for the cluster layer."""
+    RENDEZVOUS_LOST = 205
+    """This node lost the job's rendezvous (its store's host node is gone) and did not find it again within
+    ``FT_RDZV_REJOIN_TIMEOUT`` (``entrypoint.sh`` joins it again as long as that lasts: ``trainer.resiliency.launch``);
+    the pod restarts, as after a lost launcher."""
 
 
 def is_retryable(code: int) -> bool:

@@ -8,8 +8,9 @@ backward until ``wait_for_staging()``). Every ``persist_every``-th one is also w
 background writer (``writer``) and committed with the atomic manifest (``layout``); a write in flight is polled
 with one tiny collective per step, so no rank ever waits in a collective for a slow disk.
 
-``load_latest`` restores from the nearest tier that every rank holds: memory (an in-process restart: no file is
-read), node-local (a worker respawned on the same node), then the persistent tier (verified while it is read).
+``load_latest`` restores the newest step every rank can reach, each rank from its nearest tier that holds it: memory
+(an in-process restart: no file is read), node-local (a worker respawned on the same node), else the persistent tier
+(verified while it is read): ``restore``.
 Decisions that must match across ranks (stage or skip, persist or not, the automatic interval) are agreed with
 one small all-reduce at each due step, on the manager's own gloo group.
 """
@@ -30,13 +31,14 @@ import torch.distributed as dist
 from trainer.checkpoint import reaper, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
-from trainer.checkpoint.layout import FORMAT, VERSION, committed_steps
+from trainer.checkpoint.layout import FORMAT, VERSION
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
+from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
 from trainer.checkpoint.staging import Drain, choose_copier
 from trainer.checkpoint.state import (
-    LiveState, apply, flatten, local_piece, local_tensors, predicted_bytes, rank_state,
+    LiveState, flatten, local_piece, predicted_bytes, rank_state,
 )
 from trainer.checkpoint.writer import Writer
 from trainer.config import CheckpointConfig
@@ -271,11 +273,8 @@ class CheckpointManager:
             raise CheckpointStorageError(problem)
         self.restored_from = None
         step = None
-        if self.cfg.resume:
-            step = self._load_snapshot(state, while_copying or (lambda: None))
-            if step is None:
-                step = self.persistent.load_newest_valid(state)
-                self.restored_from = "disk" if step is not None else None
+        if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
+            step = restore_newest(self, state, while_copying or (lambda: None))
         if step is None and self.cfg.init_from:
             self.persistent.warm_start(state)
         forgotten = self.snapshots.forget_after(step)
@@ -374,45 +373,6 @@ class CheckpointManager:
             self.persistent.cancel(superseded_by=step)
         else:
             self._drain_persist(step)
-
-    def _load_snapshot(self, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
-        """The memory or node-local tier: the newest step every rank holds and verifies, if not older than disk."""
-        in_process = any(s.buffer is not None for s in self.snapshots.slots)
-        began = time.perf_counter()
-        held = self.snapshots.discover(lambda: local_tensors(state)[1])
-        discovered = time.perf_counter() - began
-        common = set(held)
-        for other in self._all_gather(held):
-            common &= set(other)
-        newest_disk = self._broadcast((committed_steps(self.dir) or [None])[-1] if self.rank == 0 else None)
-        for step in sorted(common, reverse=True):
-            if newest_disk is not None and step < newest_disk:
-                break
-            slot = self.snapshots.slot_for(step)
-            assert slot is not None
-            live, _ = flatten(state)
-            targets = {}
-            for key, value in live.items():
-                dst, piece = local_piece(value)
-                if key not in slot.views or slot.pieces.get(key, piece) != piece:
-                    raise CheckpointError(f"snapshot has no matching {key}; the model changed")
-                targets[key] = dst
-            with torch.no_grad():  # FT: verified while copied in (on the GPU: page-locked in chunks, checked there)
-                problem = self.snapshots.restore(step, targets, while_copying)
-            problems = [p for p in self._all_gather(problem) if p]
-            if problems:  # the tensors copied so far are overwritten by whatever is loaded next
-                log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problems[0])
-                continue
-            applying = time.perf_counter()
-            apply(state, live, slot.payload)
-            times = {"discover": discovered, **self.snapshots.restore_times, "apply": time.perf_counter() - applying}
-            self.snapshots.restore_times = {}
-            self.restored_from = "memory" if in_process else "node-local"
-            log.info("restored step %d from the %s tier (%s); %s", step, self.restored_from,
-                     "in-process restart: no file read" if in_process else f"{self.snapshots.dir}: no checkpoint file read",
-                     ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
-            return step
-        return None
 
     # ---- collectives on the bound group -----------------------------------------------------------------------
     def _require_bound(self) -> None:

@@ -306,33 +306,32 @@ class PersistentTier:
             storage.remove_leftovers(self.dir)
         self.coord.barrier()
 
-    def load_newest_valid(self, state: dict[str, Any]) -> int | None:
-        tried: list[str] = []
-        while True:
-            candidates = committed_steps(self.dir) if self.rank == 0 else []
-            step = self.coord.broadcast(candidates[-1] if candidates else None)
-            if step is None:
-                break
-            step_dir = self.dir / step_dir_name(step)
-            started = time.perf_counter()
-            manifest, reason, message = read_manifest(step_dir)
-            problems = [(reason, message)] if manifest is None else self._check_files(step_dir, manifest, state)
-            problems = [p for per_rank in self.coord.all_gather(problems) for p in per_rank]
-            if not problems:
-                self._restore_from_disk(state, step_dir, manifest)  # type: ignore[arg-type]
-                log.info("restored step %d from %s (verified while read: %.2f s)", step, step_dir,
-                         time.perf_counter() - started)
-                return step
-            tried.append(f"{step_dir.name} ({problems[0][0]})")
-            if self.rank == 0:
-                self._quarantine(step_dir, problems)
-            self.coord.barrier()
-        if tried:
-            raise CheckpointError(
-                f"no valid checkpoint in {self.dir}: {', '.join(tried)} failed verification and were moved aside "
-                "as *.corrupt-*; restore a good checkpoint there, or set checkpoint.resume=false to start over"
-            )
-        return None
+    def read(self, state: dict[str, Any], step: int) -> list[tuple[str, str]]:
+        """Restore ``step`` from disk into this rank's ``state``, its files verified while read (not collective: the
+        ranks that restore from their own snapshots do not call it, ``restore``). Returns the problems found, each
+        ``(reason, message)``; none when it was restored."""
+        step_dir = self.dir / step_dir_name(step)
+        started = time.perf_counter()
+        manifest, reason, message = read_manifest(step_dir)
+        problems = [(reason, message)] if manifest is None else self._check_files(step_dir, manifest, state)
+        if not problems:
+            self._restore_from_disk(state, step_dir, manifest)  # type: ignore[arg-type]
+            log.info("restored step %d from %s (verified while read: %.2f s)", step, step_dir,
+                     time.perf_counter() - started)
+        return problems
+
+    def quarantine(self, step: int, problems: list[tuple[str, str]]) -> None:
+        """Move an invalid checkpoint aside as ``step-X.corrupt-<reason>`` (rank 0), logged loudly."""
+        step_dir = self.dir / step_dir_name(step)
+        reason = problems[0][0]
+        target = step_dir.with_name(f"{step_dir.name}{CORRUPT_INFIX}{reason}")
+        if target.exists():
+            target = target.with_name(f"{target.name}-{int(time.time())}")
+        os.rename(step_dir, target)
+        log.error(
+            "CHECKPOINT INVALID: %s (%s: %s); moved to %s for inspection, falling back to the previous checkpoint",
+            step_dir, reason, "; ".join(m for _, m in problems[:3]), target,
+        )
 
     def _check_files(self, step_dir: Path, manifest: dict[str, Any], state: dict[str, Any]) -> list[tuple[str, str]]:
         """Verify the files this rank will read (and its share of the rest): one disk pass, the load that follows
@@ -347,17 +346,6 @@ class PersistentTier:
             return [("mismatch", str(exc))]
         ranks = sorted(needed)
         return verify_shards(step_dir, manifest, ranks, self.cfg.verify_checksums) or probe_loadable(step_dir, manifest, ranks)
-
-    def _quarantine(self, step_dir: Path, problems: list[tuple[str, str]]) -> None:
-        reason = problems[0][0]
-        target = step_dir.with_name(f"{step_dir.name}{CORRUPT_INFIX}{reason}")
-        if target.exists():
-            target = target.with_name(f"{target.name}-{int(time.time())}")
-        os.rename(step_dir, target)
-        log.error(
-            "CHECKPOINT INVALID: %s (%s: %s); moved to %s for inspection, falling back to the previous checkpoint",
-            step_dir, reason, "; ".join(m for _, m in problems[:3]), target,
-        )
 
     def _restore_from_disk(self, state: dict[str, Any], step_dir: Path, manifest: dict[str, Any]) -> None:
         shards = Shards(step_dir, manifest)

@@ -388,7 +388,11 @@ def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store
     addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.setdefault("MASTER_PORT", str(_free_port())))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # FT: keys are per in-job attempt only in the agent's store, the one store that outlives an attempt (torchrun,
+    # one agent: its count is the job's). Where rank 0 serves the store, every rendezvous round has a new one, and the
+    # launchers' restart counts differ across nodes (a node restarted because another re-joined counts none), so a
+    # count in the key would split the ranks of one round between two barriers.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent else "round"
     if agent:  # torchrun: the agent serves a store on MASTER_PORT
         server = dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True)
     else:  # ft_launcher (c10d), or no launcher: rank 0 serves it, as for env:// (MASTER_PORT is free for it)

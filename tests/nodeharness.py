@@ -1,0 +1,178 @@
+"""Several nodes on one machine: one ``entrypoint.sh`` per node, as a PyTorchJob runs one per pod.
+
+Each node gets ``PET_NNODES``, its own ``PET_NODE_RANK``, the job's ``MASTER_ADDR``/``MASTER_PORT`` and its own
+``--checkpoint.node_local_dir`` (its pod's memory ``emptyDir``); every node shares the run directory (the shared
+volume). A node runs in a session of its own, so losing it (``lose``) SIGKILLs its entrypoint, launcher, workers
+and their helpers at once and removes its node-local directory, as a drained node takes its pod and its memory
+with it; ``start`` again with the same node rank is the replacement pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testlib import REPO, VENV_BIN, free_port, read_jsonl
+
+ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
+
+
+@dataclass
+class Node:
+    rank: int
+    incarnation: int
+    proc: subprocess.Popen
+    log: Path
+    memory: Path
+    """Its node-local directory (``checkpoint.node_local_dir``)."""
+    lost: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"node{self.rank}.{self.incarnation}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def processes(self) -> list[int]:
+        """Every live process of this node: its entrypoint's session and everything below it (ft_launcher starts
+        each worker in a session of its own)."""
+        table = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if stat[0] != "Z":
+                table[int(entry)] = (int(stat[1]), int(stat[3]))  # parent, session
+        found = {pid for pid, (_, session) in table.items() if session == self.proc.pid}
+        todo = list(found)
+        while todo:
+            parent = todo.pop()
+            children = [pid for pid, (ppid, _) in table.items() if ppid == parent and pid not in found]
+            found.update(children)
+            todo += children
+        return sorted(found)
+
+    def workers(self) -> list[int]:
+        """The node's training workers (``python -m trainer``, not the launcher nor a helper)."""
+        pids = []
+        for pid in self.processes():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["trainer"] and \
+                    not any(a.endswith("ft_launcher") for a in argv):
+                pids.append(pid)
+        return pids
+
+
+@dataclass
+class Cluster:
+    """``nnodes`` nodes of ``nproc`` workers training one run under ``base``."""
+
+    base: Path
+    dataset: Path
+    nnodes: int | str
+    nproc: int
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.base / "run"
+
+    def start(self, rank: int, extra_env: dict[str, str] | None = None) -> Node:
+        """Start node ``rank`` (again: a replacement pod, with a new, empty node-local directory)."""
+        incarnation = sum(n.rank == rank for n in self.nodes)
+        memory = self.base / f"node{rank}.{incarnation}-shm"
+        log = self.base / f"node{rank}.{incarnation}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+               "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PET_NNODES": str(self.nnodes),
+               "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": str(self.nproc), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(self.port), **self.env, **(extra_env or {})}
+        cmd = [str(ENTRYPOINT), *self.args, f"--data.path={self.dataset}", f"--train.run_dir={self.run_dir}",
+               f"--checkpoint.node_local_dir={memory}"]
+        self.base.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                    start_new_session=True)
+        node = Node(rank, incarnation, proc, log, memory)
+        self.nodes.append(node)
+        return node
+
+    def start_all(self) -> list[Node]:
+        count = int(str(self.nnodes).split(":")[-1])
+        return [self.start(rank) for rank in range(count)]
+
+    def lose(self, node: Node) -> None:
+        """The node is gone with its pod: every process of it SIGKILLed at once, its node memory removed."""
+        for _ in range(3):  # what a process forks while the others are being killed is caught the next time
+            for pid in node.processes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        node.proc.wait()
+        node.lost = True
+        shutil.rmtree(node.memory, ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [r["step"] for r in read_jsonl(path) if r.get("event") == "step"]
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(s >= step for s in self.steps()):
+                return
+            if all(n.proc.poll() is not None for n in self.nodes if not n.lost):
+                raise AssertionError(f"every node ended before step {step}:\n{self.tail()}")
+            time.sleep(0.05)
+        raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.tail()}")
+
+    def wait(self, timeout: float = 240) -> dict[str, int]:
+        """Every node still running ends; their exit codes by name. At ``timeout`` every node's session gets SIGABRT
+        (each Python process prints its threads' stacks) and SIGKILL, and the test fails with the logs' tails."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for node in self.nodes:
+            if node.lost:
+                continue
+            try:
+                codes[node.name] = node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop(signal.SIGABRT)
+                time.sleep(3)
+                self.stop(signal.SIGKILL)
+                raise AssertionError(f"nodes still running after {timeout} s:\n{self.tail()}") from None
+        return codes
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        for node in self.nodes:
+            for pid in node.processes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        for node in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=10)
+
+    def tail(self, chars: int = 4000) -> str:
+        return "\n".join(f"=== {n.name}{' (lost)' if n.lost else ''}\n{n.output()[-chars:]}" for n in self.nodes)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

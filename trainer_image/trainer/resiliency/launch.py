@@ -1,0 +1,168 @@
+"""``python -m trainer.resiliency.launch <ft_launcher arguments> -m trainer <trainer arguments>``: one node's
+``ft_launcher`` (NVRx), as ``entrypoint.sh`` runs it in every pod, with what a job of several nodes needs around it.
+
+Its one concern is the node's place in the job's rendezvous:
+
+- **The rendezvous is lost.** torch's c10d rendezvous keeps its store in the launcher of one node (the pod whose
+  host name ``MASTER_ADDR`` is). When that node is lost, every other launcher's agent fails at its next call on the
+  store (``RendezvousConnectionError``). This exits ``RENDEZVOUS_LOST`` instead of ft_launcher's 1, and
+  ``entrypoint.sh`` starts a new launcher that joins the rendezvous again: at the replacement pod's store, or on a
+  host that any node may serve (``127.0.0.1``) at its own. The node's snapshots in memory outlive it (the
+  entrypoint owns them), so its ranks resume from them.
+- **Another node's rank ended the job.** A permanent exit (1-127) ends every node after one attempt. The rank that
+  exits records it in the run's recovery ledger on the shared volume (``trainer.ledger``) and its own entrypoint
+  stops its launcher; every other node's launcher would restart its workers into a rendezvous that the failed node
+  never joins again. This watches the ledger for such an exit recorded since the node's entrypoint started and
+  hands it to the entrypoint as the exit of that rank (``ended-rank-<R>`` in ``TRAINER_EXIT_CODE_DIR``, then
+  SIGUSR1, as a worker of its own would), which stops the launcher and exits with the same code.
+
+Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from trainer.exitcodes import ENTRYPOINT_PID_ENV, EXIT_CODE_DIR_ENV, ExitCode
+
+log = logging.getLogger("trainer.launch")
+
+LEDGER_OFFSET_ENV = "TRAINER_LEDGER_OFFSET_FILE"
+"""Set by ``entrypoint.sh``: a file of its own where the first launcher of the pod notes the ledger's size, so a
+launcher started again after a lost rendezvous still sees the exits recorded since the pod started."""
+ENDED_PREFIX = "ended-rank-"
+"""``TRAINER_EXIT_CODE_DIR/ended-rank-<R>`` holds the code with which rank R, on another node, ended the job."""
+POLL_S = 1.0
+_LOST = ("RendezvousConnectionError", "DistNetworkError")
+"""The agent's store is unreachable (its host is gone); a rendezvous that timed out or was closed is not lost."""
+
+
+def rendezvous_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) says the agent lost the connection to the rendezvous's store."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if any(cls.__name__ in _LOST for cls in type(link).__mro__):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
+def trainer_run_dir(argv: list[str]) -> Path | None:
+    """The run directory of the trainer arguments after ``-m trainer`` (None when they do not parse: the workers
+    report that themselves)."""
+    if "-m" not in argv:
+        return None
+    rest = argv[argv.index("-m") + 1:]
+    if not rest or rest[0] != "trainer":
+        return None
+    from trainer.config import ConfigError, parse_args
+
+    try:
+        _, cfg = parse_args(rest[1:])
+    except (ConfigError, SystemExit, OSError, ValueError):
+        return None
+    return Path(cfg.train.run_dir)
+
+
+class JobEndings:
+    """Polls the run's recovery ledger for a permanent exit (1-127) recorded after ``offset``, from any node."""
+
+    def __init__(self, ledger: Path, offset: int) -> None:
+        self.ledger, self.offset = ledger, offset
+        self._partial = b""
+
+    @classmethod
+    def since_pod_start(cls, run_dir: Path) -> "JobEndings":
+        from trainer.ledger import LEDGER_FILE
+
+        ledger = run_dir / LEDGER_FILE
+        size = ledger.stat().st_size if ledger.exists() else 0
+        note = os.environ.get(LEDGER_OFFSET_ENV)
+        if note:
+            path = Path(note)
+            try:
+                size = int(path.read_text())
+            except (OSError, ValueError):
+                path.write_text(str(size))
+        return cls(ledger, size)
+
+    def poll(self) -> tuple[int, int, str] | None:
+        """The first new permanent exit as (rank, code, reason), else None."""
+        try:
+            with open(self.ledger, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return None
+        self.offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            code = record.get("code")
+            if record.get("event") == "exit" and isinstance(code, int) and 1 <= code <= 127:
+                return int(record.get("rank", -1)), code, str(record.get("reason", ""))
+        return None
+
+
+def _hand_over(ending: tuple[int, int, str]) -> None:
+    """Tell the entrypoint that rank R ended the job with its code, as a worker of this node would."""
+    rank, code, reason = ending
+    directory = os.environ.get(EXIT_CODE_DIR_ENV)
+    entrypoint = os.environ.get(ENTRYPOINT_PID_ENV, "")
+    log.error("rank %d ended the job with exit %d (%s): stopping this node", rank, code, reason or "no reason recorded")
+    if not directory or not entrypoint.isdigit():
+        os.kill(os.getpid(), signal.SIGTERM)  # no entrypoint: the agent stops its workers and this exits
+        return
+    path = Path(directory) / f"{ENDED_PREFIX}{rank}"
+    path.with_suffix(".tmp").write_text(f"{code}\n")
+    os.replace(path.with_suffix(".tmp"), path)
+    os.kill(int(entrypoint), signal.SIGUSR1)
+
+
+def _watch(endings: JobEndings, stop: threading.Event) -> None:
+    while not stop.wait(POLL_S):
+        ending = endings.poll()
+        if ending is not None:
+            _hand_over(ending)
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from nvidia_resiliency_ext.fault_tolerance import launcher as ft
+
+    args = ft.parse_args(argv)
+    stop = threading.Event()
+    run_dir = trainer_run_dir(argv)
+    if run_dir is not None:
+        watcher = threading.Thread(target=_watch, args=(JobEndings.since_pod_start(run_dir), stop),
+                                   name="job-endings", daemon=True)
+        watcher.start()
+    try:
+        ft.run(args)
+    except Exception as exc:  # noqa: BLE001 - ft_launcher's own main maps every failure to 1, as this does
+        if rendezvous_lost(exc):
+            log.error("lost the rendezvous (%s: %s): its store's host is gone; this node joins it again",
+                      type(exc).__name__, exc)
+            return ExitCode.RENDEZVOUS_LOST
+        log.error("ft_launcher ended with %s: %s", type(exc).__name__, exc)
+        return 1
+    finally:
+        stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())  # logging is configured by ft_launcher's module when main() imports it: its format, its level
