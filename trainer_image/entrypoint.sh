@@ -23,6 +23,15 @@
 #   FT_MONITOR_INTERVAL                 s between ft_launcher's checks of its workers' processes: bounds how long a
 #                                       dead worker goes unnoticed (every in-job restart waits up to it), default 0.1
 #   FT_RESTART_POLICY                   any-failed (default) or min-healthy
+#   FT_LOCAL_ADDR                       this node's address in the rendezvous (--local-addr), default its host name.
+#                                       The rendezvous numbers a new round's nodes in the order of their addresses and
+#                                       then keeps each node's number, so a node keeps its ranks, and the snapshots in
+#                                       its memory stay its own, even when a lost store host starts the rendezvous
+#                                       anew. Pods have distinct host names; several nodes on one machine need one
+#                                       each, in node order: 127.0.0.1, 127.0.0.2, ... (the local backend's)
+#   FT_RDZV_KEEP_ALIVE_S                s between a node's keep-alives to the rendezvous; a node silent for 3 of them
+#                                       is dropped, and only then can the others' next round form: bounds how long a
+#                                       lost node holds up the job (NVRx fixes 5 s), default 2
 #   FT_RDZV_REJOIN_TIMEOUT              s this node keeps joining the job's rendezvous again after losing it (the
 #                                       node hosting its store is gone: trainer/resiliency/launch.py) before the
 #                                       pod exits 205 RENDEZVOUS_LOST for the cluster layer, default 600
@@ -87,6 +96,7 @@ check_interval="${FT_WORKLOAD_CHECK_INTERVAL:-5}"
 monitor_interval="${FT_MONITOR_INTERVAL:-0.1}"
 restart_policy="${FT_RESTART_POLICY:-any-failed}"
 rejoin_timeout="${FT_RDZV_REJOIN_TIMEOUT:-600}"
+keep_alive="${FT_RDZV_KEEP_ALIVE_S:-2}"
 rdzv_id="${FT_RDZV_ID:-resilient-train}"
 if [[ -n "${FT_ENABLE_NIC_MONITOR:-}" ]]; then
   nic_monitor="$FT_ENABLE_NIC_MONITOR"
@@ -110,7 +120,7 @@ for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:
             "FT_MAX_RESTARTS:$max_restarts" "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:$initial_hb" \
             "FT_RANK_HEARTBEAT_TIMEOUT:$rank_hb" "FT_TERM_TIMEOUT:$term_timeout" \
             "FT_WORKERS_STOP_TIMEOUT:$workers_stop_timeout" "FT_WORKLOAD_CHECK_INTERVAL:$check_interval" \
-            "FT_RDZV_REJOIN_TIMEOUT:$rejoin_timeout"; do
+            "FT_RDZV_REJOIN_TIMEOUT:$rejoin_timeout" "FT_RDZV_KEEP_ALIVE_S:$keep_alive"; do
   require_int "${pair%%:*}" "${pair#*:}"
 done
 if ! [[ "$monitor_interval" =~ ^[0-9]*\.?[0-9]+$ ]] || [[ "$monitor_interval" =~ ^0*\.?0*$ ]]; then
@@ -120,6 +130,10 @@ fi
 case "$restart_policy" in any-failed|min-healthy) ;; *)
   log "FT_RESTART_POLICY must be any-failed or min-healthy; got '$restart_policy'"; exit "$CONFIG_ERROR" ;;
 esac
+if (( keep_alive < 1 )); then
+  log "FT_RDZV_KEEP_ALIVE_S must be at least 1 (seconds); got '$keep_alive'"
+  exit "$CONFIG_ERROR"
+fi
 if (( initial_hb < rank_hb )); then
   log "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT ($initial_hb) must be >= FT_RANK_HEARTBEAT_TIMEOUT ($rank_hb): it also covers start-up and checkpoint load"
   exit "$CONFIG_ERROR"
@@ -187,7 +201,7 @@ export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_
 # This pod's identity in the job (the ledger tells a node that joined from one that was there: trainer/ledger.py),
 # and where its first launcher notes how far the run's ledger went when the pod started (trainer/resiliency/launch.py).
 export TRAINER_NODE_ID="${HOSTNAME:-$(hostname)}/$$/${job_tmp##*.}" TRAINER_LEDGER_OFFSET_FILE="$job_tmp/ledger-offset"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TRAINER_RDZV_KEEP_ALIVE_S="$keep_alive"
 # c10d logs a warning every second while NVRx's monitor thread polls its store ("waitForInput ... timed out");
 # keep C++ warnings out of the training log unless asked for (errors, e.g. NCCL failures, are still logged).
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
@@ -233,6 +247,7 @@ launcher=(
   --rdzv-backend c10d
   --rdzv-endpoint "$master_addr:$master_port"
   --rdzv-id "$rdzv_id"
+  ${FT_LOCAL_ADDR:+--local-addr "$FT_LOCAL_ADDR"}
   --max-restarts "$max_restarts"
   --term-timeout "$term_timeout"
   --workers-stop-timeout "$workers_stop_timeout"
@@ -328,7 +343,8 @@ for code in "${codes[@]}"; do
 done
 if [[ -n "$stopped" ]]; then
   final=${stopped#* }; reason="rank ${stopped% *} exited ${final}; no in-job restart (after one attempt)"
-  [[ -f "$exit_dir/ended-rank-${stopped% *}" ]] && reason="rank ${stopped% *}, on another node, exited ${final}; this node stops too"
+  [[ -f "$exit_dir/ended-rank-${stopped% *}" && ! -f "$exit_dir/rank-${stopped% *}" ]] &&
+    reason="rank ${stopped% *}, on another node, exited ${final}; this node stops too"
 elif [[ " ${codes[*]} " == *" $PREEMPTED "* ]]; then
   final=$PREEMPTED; reason="preempted: the final checkpoint was committed"
 elif (( preempted )); then

@@ -20,7 +20,8 @@ from components.lib.storage import redact_uri
 BACKENDS = ("pytorchjob", "trainjob", "local")
 CLUSTER_BACKENDS = ("pytorchjob", "trainjob")
 FLAVOURS = ("tiny", "1b", "8b")
-FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow")
+FAULT_KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow", "node_lost",
+               "data_error")
 INIT_FROM_PROMOTED = "promoted"
 #: Where the pipeline mounts the shared PVC in step pods, and the PyTorchJob in its pods.
 SHARED_MOUNT = "/mnt/shared"

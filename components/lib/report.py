@@ -14,9 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-LAYERS = ("inprocess", "injob", "cluster")
-LAYER_TITLES = {"inprocess": "in-process", "injob": "in-job (ft_launcher)", "cluster": "cluster / pipeline retry"}
-LAYER_COLOURS = {"inprocess": "#1f77b4", "injob": "#ff7f0e", "cluster": "#d62728"}
+LAYERS = ("inprocess", "injob", "node", "cluster")
+LAYER_TITLES = {"inprocess": "in-process", "injob": "in-job (ft_launcher)", "node": "node (replaced or spare)",
+                "cluster": "cluster / pipeline retry"}
+LAYER_COLOURS = {"inprocess": "#1f77b4", "injob": "#ff7f0e", "node": "#9467bd", "cluster": "#d62728"}
 
 
 def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], int]:
@@ -156,7 +157,8 @@ def recovery_spans(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             spans.append({"layer": r["layer"], "start": end - (took or 0.0), "end": end,
                           "label": f"{r.get('fault_kind') or 'fault'} at step {r.get('fault_step')}: "
                                    f"{LAYER_TITLES[r['layer']]} recovery, first productive step {r.get('step')} "
-                                   f"after {took or 0:.1f} s, {r.get('steps_redone')} step(s) redone"})
+                                   f"after {took or 0:.1f} s, {r.get('steps_redone')} step(s) redone"
+                                   f"{_tiers(r.get('tiers'))}"})
     done = {(s["layer"], round(s["end"], 3)) for s in spans}
     for r in _restarts(ledger):  # a restart whose first step never completed
         t = _num(r.get("time"))
@@ -165,6 +167,15 @@ def recovery_spans(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                           "label": f"{LAYER_TITLES[r['layer']]} restart at step {r.get('resumed_step')} "
                                    "(no productive step followed)"})
     return sorted(spans, key=lambda s: s["start"])
+
+
+def _tiers(tiers: Any) -> str:
+    """``; state from node-local (ranks 0, 1), disk (ranks 2, 3)``: where the ranks resumed from, when recorded."""
+    if not isinstance(tiers, Mapping) or not tiers:
+        return ""
+    parts = [f"{tier} (ranks {', '.join(str(r) for r in ranks)})" for tier, ranks in sorted(tiers.items())
+             if isinstance(ranks, list)]
+    return "; state from " + ", ".join(parts) if parts else ""
 
 
 def timeline_chart(spans: Sequence[Mapping[str, Any]], t0: float | None, t_end: float | None) -> str:

@@ -19,7 +19,7 @@ def test_ledger_summary_counts_restarts_per_layer(tmp_path):
     _, ledger, bad = sample(tmp_path)
     assert bad == 1  # the torn last line is skipped, not fatal
     s = summarize_ledger(ledger)
-    assert s["restarts"] == {"inprocess": 1, "injob": 2, "cluster": 1}
+    assert s["restarts"] == {"inprocess": 1, "injob": 2, "node": 0, "cluster": 1}
     assert s["faults"] == 4 and s["goodput"] == 0.8
     assert s["recovery_s"]["injob"] == 6.0
 

@@ -194,7 +194,7 @@ def test_exception_is_recovered_in_process(inprocess_run, reference):
     # The total comes from the restart's marks, the parts from their own timers: the parts must fit inside it.
     assert wrapper and int(wrapper[4]) >= 1, out[-3000:]
     assert float(wrapper[2]) + float(wrapper[3]) <= float(wrapper[1]) + 0.002, wrapper[0]
-    assert events(run_dir, "summary")[0]["by_layer"] == {"inprocess": 2, "injob": 0, "cluster": 0}  # and the hang's
+    assert events(run_dir, "summary")[0]["by_layer"] == {"inprocess": 2, "injob": 0, "node": 0, "cluster": 0}  # and the hang's
     assert_same_weights(run_dir, reference)
 
 

@@ -330,7 +330,7 @@ def test_ledger_records_restart_recovery_and_goodput(tmp_path, monkeypatch):
     assert restart["layer"] == "inprocess" and restart["fault"]["kind"] == "exception"
     assert recovered["steps_redone"] == 2 and recovered["step"] == 3 and recovered["recovery_s"] >= 0
     assert summary["productive_s"] == pytest.approx(3.0)  # 6 kept steps x 0.5 s, the redone 3 and 4 once
-    assert summary["by_layer"] == {"inprocess": 1, "injob": 0, "cluster": 0}
+    assert summary["by_layer"] == {"inprocess": 1, "injob": 0, "node": 0, "cluster": 0}
     assert 0 < summary["goodput"]
 
 

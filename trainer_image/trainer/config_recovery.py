@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from trainer.config_checks import ConfigError, choice as _choice, positive as _positive
 
-KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow")
+KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow", "node_lost",
+         "data_error")
 """Fault kinds of ``resiliency.faults`` (injected by ``trainer.faults``); ``slow`` takes a factor (``slow:0.5``)."""
 MAX_SLOW_FACTOR = 10.0
 STRAGGLER_MODES = ("off", "report", "evict")

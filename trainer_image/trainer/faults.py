@@ -17,6 +17,13 @@ Kinds:
 - ``sigterm``: preemption drill: ``SIGTERM`` the pod's entrypoint (``TRAINER_ENTRYPOINT_PID``, as a
   Kubernetes eviction does; it forwards to ft_launcher, which forwards to every worker), else the launcher
   (the parent under torchrun), else this process.
+- ``node_lost``: the rank's whole node goes, as a drained node takes its pod: the node-local snapshot directory
+  (``TRAINER_SNAPSHOT_DIR``, the pod's memory) is removed, then the pod's entrypoint (``TRAINER_ENTRYPOINT_PID``),
+  its launcher, every worker and helper below it and this process are SIGKILLed at once. Under a plain launcher
+  (torchrun), the launcher and everything below it. A replacement pod (the cluster's, or the local backend's
+  relaunch of that node) joins the job's rendezvous.
+- ``data_error``: raise a ``ShardError``, as a corrupt shard found mid-run would: a permanent exit (3), which ends
+  every node of the job after one attempt.
 - ``corrupt_checkpoint``: overwrite the middle of the largest file of the newest committed checkpoint
   with random bytes (the next load must detect it and fall back), then continue training.
 - ``slow:<factor>`` (``1:5:slow:0.5``): a straggler drill. From that step on, for the life of the process, the
@@ -143,6 +150,28 @@ class FaultInjector:
             target = os.getpid()
         os.kill(target, signal.SIGTERM)
 
+    def _node_lost(self, spec: FaultSpec) -> None:
+        import shutil
+
+        from trainer.checkpoint.slots import SNAPSHOT_DIR_ENV
+
+        memory = os.environ.get(SNAPSHOT_DIR_ENV)
+        if memory:
+            shutil.rmtree(memory, ignore_errors=True)
+        root = int(os.environ.get(ENTRYPOINT_PID_ENV) or os.getppid())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        for pid in [root, *process_tree(root)]:  # at once: nothing of the node outlives it to notice the others
+            if pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _data_error(self, spec: FaultSpec) -> None:
+        from trainer.data import ShardError
+
+        raise ShardError(f"injected fault: a corrupt token shard found at step {spec.step}")
+
     def _corrupt_checkpoint(self, spec: FaultSpec) -> None:
         target = corrupt_newest_checkpoint(self.checkpoint_dir)
         log.warning("corrupted checkpoint file %s", target)
@@ -162,8 +191,26 @@ FIRE: dict[str, Callable[[FaultInjector, FaultSpec], None]] = {
     "sigterm": FaultInjector._sigterm,
     "corrupt_checkpoint": FaultInjector._corrupt_checkpoint,
     "slow": FaultInjector._slow,
+    "node_lost": FaultInjector._node_lost,
+    "data_error": FaultInjector._data_error,
 }
 assert set(FIRE) == set(KINDS)
+
+
+def process_tree(root: int) -> list[int]:
+    """Every live descendant of ``root`` (Linux ``/proc``), whatever session it runs in."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        todo += children
+    return found
 
 
 def corrupt_newest_checkpoint(checkpoint_dir: Path) -> Path | None:

@@ -18,12 +18,14 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
 ``{"event": "exit", "code", "name", "reason"}``
     Every rank whose process ends with a non-zero code (``trainer.cli``, and the SIGTERM paths of
     ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause.
-``{"event": "restart", "layer", "resumed_step", "tier", "fault"}``
+``{"event": "restart", "layer", "resumed_step", "tier", "fault", "joined"}``
     Every rank, when training starts again after a fault (``pid`` shows whether the process survived); ``tier`` is
     the checkpoint tier it resumed from (``memory``, ``node-local``, ``disk``, or null). ``layer`` is the layer that recovered it:
-    ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes started by
-    ft_launcher, attempt > 0) or ``cluster`` (a new launcher: pod restart or pipeline retry, resuming from
-    a checkpoint). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
+    ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes on the same nodes, started by
+    their launchers), ``node`` (some ranks run on a node that joined the job: a replacement pod, a spare, while the
+    other nodes stayed) or ``cluster`` (every node new: pod restarts or a pipeline retry, resuming from a
+    checkpoint). ``joined`` lists the ranks whose node joined (``node`` only). A node is new to the job when no worker of
+    its local rank ran in its pod before (``node_joined``). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
     handled SIGTERM (``preemption``), or, for a fault that was not injected, what this attempt can know of
     it: ``{"kind", "time", "step": null, "detail"}`` where ``kind`` is ``exception`` (in-process: the
     exception the Wrapper caught on this rank) or ``peer_fault`` (in-process: another rank failed), else
@@ -31,8 +33,9 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     kill, ft_launcher's heartbeat timeout, a lost node), otherwise the lower-case name of the first exit
     code other than the TERMINATED of ranks stopped for the restart (e.g. ``ranks_lost``). ``detail`` lists
     every rank's exit; ``time`` is the first exit's (null when none was recorded).
-``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone"}``
-    Rank 0, after the first productive (completed) step following a restart. ``recovery_s`` is the time
+``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone", "tiers"}``
+    Rank 0, after the first productive (completed) step following a restart. ``tiers`` maps each tier the ranks
+    resumed from to those ranks (``{"node-local": [0, 1], "disk": [2, 3]}``). ``recovery_s`` is the time
     from the fault (or, when its time is unknown, from the restart) to that step's end; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
     the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
@@ -71,7 +74,8 @@ from typing import Any
 
 LEDGER_FILE = "recovery.jsonl"
 METRICS_FILE = "metrics.jsonl"
-LAYERS = ("inprocess", "injob", "cluster")
+LAYERS = ("inprocess", "injob", "node", "cluster")
+EXIT_CODE_DIR_ENV = "TRAINER_EXIT_CODE_DIR"  # exitcodes' name: the pod's own directory (entrypoint.sh)
 NOT_CRASHES = ("corrupt_checkpoint", "slow")
 """Injected fault kinds that do not end the process: never the cause of a restart."""
 
@@ -138,14 +142,21 @@ class Ledger:
             self._caught = {"kind": "exception", "time": round(time.time(), 3), "step": None,
                             "detail": f"{type(exc).__name__}: {exc}"}
 
-    def on_train_start(self, iteration: int, resumed_step: int, tier: str | None = None) -> None:
+    def on_train_start(self, iteration: int, resumed_step: int, tier: str | None = None,
+                       joined: list[int] | None = None, tiers: list[str | None] | None = None) -> None:
         """Called by every rank when ``train()`` (re)starts, after the checkpoint is loaded from ``tier``
-        (memory, node-local, disk; None when nothing was loaded)."""
+        (memory, node-local, disk; None when nothing was loaded). ``joined``: the ranks whose node is new to the job
+        (``node_joined``, gathered), None when unknown (no entrypoint: every rank new at attempt 0, none after);
+        ``tiers``: every rank's ``tier``."""
         self.iteration = iteration
+        if joined is None:
+            joined = list(range(self.world_size)) if self.attempt == 0 else []
         if iteration > 0:
             layer = "inprocess"
-        elif self.attempt > 0:
+        elif not joined:
             layer = "injob"
+        elif len(joined) < self.world_size:
+            layer = "node"
         elif resumed_step > 0 or (self.rank == 0 and read(self.path)):  # a relaunch (other ranks: rank 0 wrote)
             layer = "cluster"
         else:
@@ -154,9 +165,14 @@ class Ledger:
             return
         fault = self._last_unrecovered_fault() or self._uninjected_cause(layer)
         self._caught = None
-        record = self.write("restart", sync=False, layer=layer, resumed_step=resumed_step, tier=tier, fault=fault)
+        extra: dict[str, Any] = {"joined": joined} if layer == "node" else {}
+        record = self.write("restart", sync=False, layer=layer, resumed_step=resumed_step, tier=tier, fault=fault,
+                            **extra)
         if self.rank == 0:
-            self._pending = record
+            by_tier: dict[str, list[int]] = {}
+            for rank, where in enumerate(tiers or [tier]):
+                by_tier.setdefault(str(where), []).append(rank)
+            self._pending = {**record, "tiers": by_tier}
 
     def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
         """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
@@ -180,7 +196,7 @@ class Ledger:
         self.write(
             "recovered", sync=False, layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),
-            recovery_s=round(end - since, 3), steps_redone=redone, **extra,
+            recovery_s=round(end - since, 3), steps_redone=redone, tiers=restart["tiers"], **extra,
         )
 
     def summarize(self, steps: int) -> dict[str, Any] | None:
@@ -228,6 +244,24 @@ class Ledger:
                   for r in sorted(exits, key=lambda r: (r["rank"], r["time"]))]
         times = [r["time"] for r in exits]
         return {"kind": kind, "time": min(times) if times else None, "step": None, "detail": "; ".join(parts)}
+
+
+def node_joined(local_rank: int) -> bool | None:
+    """Whether this worker is the first of its local rank in its pod (the node is new to the job: its first start,
+    a replacement pod, a spare taking over); False for a worker its launcher started again on the same node, for
+    whatever reason (its own failure, another node's, a node joining: the launchers' restart counts cannot tell, as
+    only the first counts). None without ``entrypoint.sh`` (no pod to know). Marks this local rank as started."""
+    directory = os.environ.get(EXIT_CODE_DIR_ENV)
+    if not directory:
+        return None
+    marker = Path(directory) / f"started-local-rank-{local_rank}"
+    if marker.exists():
+        return False
+    try:
+        marker.touch()
+    except OSError:
+        return None
+    return True
 
 
 def productive_seconds(metrics_path: Path, steps: int) -> float:

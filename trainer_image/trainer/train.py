@@ -317,7 +317,8 @@ def _steps(
         res.metrics.log({"event": "resume", "step": progress.step})
     loss = torch.zeros((), device=device)
     t_last, steps_since_log = time.perf_counter(), 0
-    ft.on_loop_start(progress.step, checkpointer.restored_from)  # FT: ledger: start, or which layer restarted us
+    # FT: ledger: start, or which layer restarted us (a node that joined: ``node``) and where each rank resumed from
+    ft.on_loop_start(progress.step, checkpointer.restored_from, gather=checkpointer.coord.all_gather)
     for step in range(first_step, cfg.train.steps + 1):
         profiler.step(step)
         collector.step(step)

@@ -62,7 +62,7 @@ from trainer.exitcodes import (
     record_exit,
 )
 from trainer.faults import FaultInjector, parse_faults
-from trainer.ledger import Ledger
+from trainer.ledger import Ledger, node_joined
 from trainer.resiliency import straggler as stragglers
 from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
 
@@ -195,6 +195,8 @@ class Layers:
         self.straggler = straggler or stragglers.NullStraggler()
         self.preemption = Preemption(cfg.resiliency.preemption_grace_s)
         self.call_wrapper: Any = None
+        self.new_node = node_joined(local_rank) if ledger is not None else None
+        """Whether this worker is the first of its local rank in its pod (the ledger's ``node`` layer)."""
         self.starting = False
         """Between a (re)start of the loop and the end of its first step (its phases are reported then)."""
 
@@ -248,11 +250,20 @@ class Layers:
         """Goes into the checkpointed state as ``state["ft"]`` (state_dict / load_state_dict)."""
         return self.heartbeat
 
-    def on_loop_start(self, resumed_step: int, tier: str | None = None) -> None:
+    def on_loop_start(self, resumed_step: int, tier: str | None = None,
+                      gather: Callable[[Any], list[Any]] | None = None) -> None:
+        """The loop (re)starts at ``resumed_step``, this rank's state read from ``tier``; ``gather`` (an all-gather
+        over the ranks, collective) tells the ledger which ranks' nodes joined the job and where each rank resumed."""
         self.starting = True
         self.preemption.restart()
         if self.ledger is not None:
-            self.ledger.on_train_start(self.iteration, resumed_step, tier=tier)
+            joined, tiers = None, None
+            if gather is not None:
+                members = gather((self.new_node, tier))
+                tiers = [t for _, t in members]
+                if all(new is not None for new, _ in members):
+                    joined = [rank for rank, (new, _) in enumerate(members) if new]
+            self.ledger.on_train_start(self.iteration, resumed_step, tier=tier, joined=joined, tiers=tiers)
         self.straggler.on_loop_start()
 
     @contextlib.contextmanager

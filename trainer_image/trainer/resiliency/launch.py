@@ -16,6 +16,10 @@ Its one concern is the node's place in the job's rendezvous:
   hands it to the entrypoint as the exit of that rank (``ended-rank-<R>`` in ``TRAINER_EXIT_CODE_DIR``, then
   SIGUSR1, as a worker of its own would), which stops the launcher and exits with the same code.
 
+- **A lost node is noticed sooner.** The rendezvous drops a node whose keep-alive it has not heard for 3 intervals;
+  NVRx 0.4.1 fixes the interval at 5 s, so a lost node held the others' next round for 15 s. ``entrypoint.sh``'s
+  ``FT_RDZV_KEEP_ALIVE_S`` sets it (``KEEP_ALIVE_ENV``).
+
 Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
 """
 
@@ -38,6 +42,8 @@ LEDGER_OFFSET_ENV = "TRAINER_LEDGER_OFFSET_FILE"
 launcher started again after a lost rendezvous still sees the exits recorded since the pod started."""
 ENDED_PREFIX = "ended-rank-"
 """``TRAINER_EXIT_CODE_DIR/ended-rank-<R>`` holds the code with which rank R, on another node, ended the job."""
+KEEP_ALIVE_ENV = "TRAINER_RDZV_KEEP_ALIVE_S"
+"""Seconds between this node's keep-alives to the rendezvous (set by ``entrypoint.sh``; unset: NVRx's)."""
 POLL_S = 1.0
 _LOST = ("RendezvousConnectionError", "DistNetworkError")
 """The agent's store is unreachable (its host is gone); a rendezvous that timed out or was closed is not lost."""
@@ -116,6 +122,30 @@ class JobEndings:
         return None
 
 
+def tune_keep_alive(seconds: float) -> bool:
+    """Every rendezvous handler made from now on sends its keep-alive every ``seconds`` (NVRx 0.4.1 fixes 5 s in
+    ``FtRendezvousHandler.from_backend``; a node missing 3 is dropped). False, logged, where the handler differs."""
+    import datetime
+
+    from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rdzv
+
+    handler_cls = getattr(rdzv, "FtRendezvousHandler", None)
+    original = getattr(handler_cls, "from_backend", None)
+    if original is None:
+        log.warning("FT_RDZV_KEEP_ALIVE_S ignored: this NVRx has no FtRendezvousHandler.from_backend")
+        return False
+
+    def from_backend(*args: object, **kwargs: object) -> object:
+        handler = original(*args, **kwargs)
+        settings = getattr(handler, "_settings", None)
+        if settings is not None and hasattr(settings, "keep_alive_interval"):
+            object.__setattr__(settings, "keep_alive_interval", datetime.timedelta(seconds=seconds))  # frozen
+        return handler
+
+    handler_cls.from_backend = from_backend  # type: ignore[union-attr]
+    return True
+
+
 def _hand_over(ending: tuple[int, int, str]) -> None:
     """Tell the entrypoint that rank R ended the job with its code, as a worker of this node would."""
     rank, code, reason = ending
@@ -144,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance import launcher as ft
 
     args = ft.parse_args(argv)
+    if os.environ.get(KEEP_ALIVE_ENV):
+        tune_keep_alive(float(os.environ[KEEP_ALIVE_ENV]))
     stop = threading.Event()
     run_dir = trainer_run_dir(argv)
     if run_dir is not None:
