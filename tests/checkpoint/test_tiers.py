@@ -52,6 +52,32 @@ def test_respawned_worker_resumes_from_the_node_local_tier(tmp_path, pg, caplog)
         respawned.close(job_over=True)
 
 
+def test_a_slot_restaged_by_a_respawned_worker_restores_in_process(tmp_path, pg, caplog):
+    """A respawned worker restores one node-local snapshot and stages its next snapshot into the other slot, which
+    held an older one it never restored: an in-process restart then restores the new snapshot, not the one before it
+    (the older snapshot's checksum, read with its header, no longer applies; a two-node run redid a whole interval)."""
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0)
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    mgr.close()
+    respawned = manager(tmp_path)
+    try:
+        assert respawned.load_latest(state) == 2  # slot of step 2 verified; the slot of step 1 was only discovered
+        train_step(state, 3)
+        respawned.save(3, state)  # into the slot of step 1
+        expected = snapshot(state)
+        _restart_in_process(respawned)
+        restored = make_state(seed=7)
+        with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+            assert respawned.load_latest(restored) == 3, caplog.text
+        assert respawned.restored_from == "memory" and "unusable" not in caplog.text
+        assert_equal(snapshot(restored), expected)
+    finally:
+        respawned.close(job_over=True)
+
+
 def _flip(meta: Path, data: Path) -> None:
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 3] ^= 0x40

@@ -344,6 +344,9 @@ class SnapshotStore:
             self._urgent.set()  # page-locking in pieces stops pausing: this save waits for it
         slot.ready.wait()  # reserved in the background (start_prepare)
         slot.invalidate()
+        # FT: from now on the slot holds this process's own copy: a checksum discovered for its previous content (a
+        # snapshot of the process before, never restored) would fail the next in-process restore of this one
+        self._expected_checksum.pop(slot.index, None)
         layout, nbytes = plan_layout(pieces)
         on_cuda = any(t.is_cuda for t in locals_.values())
         self.dir.mkdir(parents=True, exist_ok=True)

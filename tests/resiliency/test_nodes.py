@@ -1,0 +1,201 @@
+"""Every recovery layer across nodes: two ``entrypoint.sh`` processes as two nodes (one worker each, the tiny model on
+gloo, each node its own node-local directory and address; ``nodeharness``), every run ending bit-identical to a
+fault-free run of the same ranks.
+
+One run takes a fault of every kind in turn, so the suite pays for one start: an exception and a GIL-free hang
+(in-process), a SIGKILL (in-job), a worker stopped with SIGSTOP (a hung node: its heartbeats stop, the in-job layer
+restarts every node), the ``node_lost`` fault (a node and its memory gone; the harness starts the replacement pod),
+and the loss of the node hosting the rendezvous's store at a step drawn at random (the other node joins the
+rendezvous again). Two more runs: a preemption (SIGTERM to every pod, then both relaunched) and a permanent error on
+one node (every node stops after one attempt with its code). The steps of the faults injected from outside are
+drawn anew each run; the seed is in every failure's message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from nodeharness import Cluster
+from test_recovery import BASE, FT_ENV, GRACE, HANGS, events, torchrun
+from trainer.checkpoint import load_model_weights
+from trainer.exitcodes import ExitCode
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
+
+STEPS = 30
+# One thread per worker: the reference runs both ranks on one node, where the default would give each half the cores
+# (and so other sums in the matmuls) than a node of one worker does.
+ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
+        *GRACE, *HANGS]
+ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6"}
+SEED = int.from_bytes(os.urandom(4), "little")
+DRAW = random.Random(SEED)
+FAULTS = "1:4:exception,0:7:sigkill,1:10:hang,0:19:node_lost"
+STOPPED_AT = DRAW.randint(13, 15)
+"""The step at which a worker is stopped (SIGSTOP): a hung node."""
+HOST_LOST_AT = DRAW.randint(23, 26)
+"""The step at which the node hosting the rendezvous's store is lost."""
+WHY = f"(seed {SEED}: SIGSTOP at step {STOPPED_AT}, store host lost at step {HOST_LOST_AT})"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_dataset):
+    """The fault-free run: the same two ranks under torchrun on one node (the arithmetic does not see the nodes)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    rc, out, _ = torchrun(run_dir, tiny_dataset, *(a for a in ARGS if a not in BASE), f"--train.steps={STEPS}")
+    assert rc == 0, out[-4000:]
+    return load_model_weights(run_dir / "checkpoints")
+
+
+def assert_same_weights(run_dir, reference):
+    weights = load_model_weights(run_dir / "checkpoints")
+    for key in reference:
+        assert torch.equal(weights[key], reference[key]), f"{key} differs from the fault-free run {WHY}"
+
+
+def _replace_lost(cluster: Cluster, until: float) -> None:
+    """The cluster's part: a pod whose node was lost (its entrypoint killed) is started again."""
+    for node in list(cluster.nodes):
+        if not node.lost and node.proc.poll() is not None and node.proc.returncode < 0:
+            node.lost = True
+            cluster.start(node.rank)
+
+
+def _wait_for_step(cluster: Cluster, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(s >= step for s in cluster.steps()):
+        _replace_lost(cluster, deadline)
+        assert time.monotonic() < deadline, f"step {step} not reached {WHY}:\n{cluster.tail()}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory, tiny_dataset):
+    base = tmp_path_factory.mktemp("layered")
+    with Cluster(base, tiny_dataset, 2, 1, [*ARGS, f"--resiliency.faults={FAULTS}"], env=ENV) as cluster:
+        cluster.start_all()
+        _wait_for_step(cluster, STOPPED_AT)
+        stopped = cluster.nodes[1].workers()
+        assert stopped, cluster.tail()
+        os.kill(stopped[0], signal.SIGSTOP)
+        stopped_at = time.time()
+        _wait_for_step(cluster, HOST_LOST_AT, timeout=180)
+        host = next(n for n in reversed(cluster.nodes) if not n.lost and "hosts the TCP store" in n.output())
+        lost_at = time.time()
+        cluster.lose(host)
+        cluster.start(host.rank)
+        deadline = time.monotonic() + 180
+        while any(n.proc.poll() is None for n in cluster.nodes if not n.lost):
+            _replace_lost(cluster, deadline)
+            assert time.monotonic() < deadline, f"not finished {WHY}:\n{cluster.tail()}"
+            time.sleep(0.1)
+        codes = cluster.wait()
+        yield {"cluster": cluster, "codes": codes, "stopped_at": stopped_at, "lost_at": lost_at, "host": host}
+
+
+def _recovered(run, **match):
+    run_dir = run["cluster"].run_dir
+    found = [r for r in events(run_dir, "recovered") if all(r.get(k) == v for k, v in match.items())]
+    assert found, f"no recovered record with {match} {WHY}: {events(run_dir, 'recovered')}"
+    return found
+
+
+def test_every_node_finishes_bit_identical_to_the_fault_free_run(layered, reference):
+    assert set(layered["codes"].values()) == {0}, f"{layered['codes']} {WHY}\n{layered['cluster'].tail()}"
+    assert_same_weights(layered["cluster"].run_dir, reference)
+
+
+def test_exception_and_hang_are_recovered_in_process_across_nodes(layered):
+    (exception,) = _recovered(layered, fault_kind="exception")
+    (hang,) = _recovered(layered, fault_kind="hang")
+    for r in (exception, hang):
+        assert r["layer"] == "inprocess" and r["tiers"] == {"memory": [0, 1]}, r
+        assert r["steps_redone"] <= 2, r
+
+
+def test_a_killed_worker_restarts_every_node_in_job_from_node_memory(layered):
+    (killed,) = _recovered(layered, fault_kind="sigkill")
+    assert killed["layer"] == "injob" and killed["tiers"] == {"node-local": [0, 1]}, killed
+    assert killed["steps_redone"] <= 2, killed
+
+
+def test_a_hung_node_is_restarted_in_job_on_every_node(layered):
+    run_dir = layered["cluster"].run_dir
+    after = [r for r in events(run_dir, "recovered") if r["time"] > layered["stopped_at"]]
+    assert after and after[0]["layer"] == "injob", f"{after} {WHY}"
+    # the stopped rank's monitors end it: the in-process hard timeout (8 s) or the heartbeat, then a restart
+    assert after[0]["time"] - layered["stopped_at"] < HANGS_BOUND_S, f"{after[0]} {WHY}"
+    restarts = [r for r in events(run_dir, "restart") if r["time"] > layered["stopped_at"]][:2]
+    assert {r["rank"] for r in restarts} == {0, 1} and {r["layer"] for r in restarts} == {"injob"}, restarts
+
+
+HANGS_BOUND_S = 8 + 1 + 30  # hard timeout + grace, then a restart of both nodes on 2 loaded cores
+
+
+def _assert_tiers(recovered, joined_rank, survivor):
+    """The rank on the new node read the persistent tier; the other restored from its node's memory when that held
+    the step (its log says which), from disk otherwise (the step every rank can reach is the newest on disk)."""
+    tiers = recovered["tiers"]
+    assert joined_rank in tiers.get("disk", []), f"{recovered} {WHY}"
+    step = recovered["step"] - 1
+    from_memory = f"restored step {step} from the node-local tier" in survivor.output()
+    other = 1 - joined_rank
+    assert other in tiers.get("node-local" if from_memory else "disk", []), f"{recovered} {WHY}"
+
+
+def test_a_lost_node_comes_back_on_a_replacement_pod_the_others_from_memory(layered):
+    (lost,) = _recovered(layered, fault_kind="node_lost")
+    assert lost["layer"] == "node", lost
+    survivor = next(n for n in layered["cluster"].nodes if n.rank == 1 and n.incarnation == 0)
+    _assert_tiers(lost, 0, survivor)
+    (restart,) = [r for r in events(layered["cluster"].run_dir, "restart") if r["rank"] == 0 and
+                  r["fault"].get("kind") == "node_lost"]
+    assert restart["joined"] == [0], restart
+
+
+def test_losing_the_node_that_hosts_the_rendezvous_is_recovered_in_the_job(layered):
+    after = [r for r in events(layered["cluster"].run_dir, "recovered") if r["time"] > layered["lost_at"]]
+    assert after and after[0]["layer"] == "node", f"{after} {WHY}"
+    host_rank = layered["host"].rank  # node rank = its ranks (FT_LOCAL_ADDR keeps the order)
+    survivor = next(n for n in layered["cluster"].nodes if n.rank != host_rank and not n.lost)
+    _assert_tiers(after[0], host_rank, survivor)
+    assert "joins it again" in survivor.output(), "the survivor's launcher lost the store and joined again"
+
+
+def test_preemption_of_every_pod_commits_and_a_relaunch_resumes(tmp_path, tiny_dataset, reference):
+    stop_at = DRAW.randint(5, 20)
+    with Cluster(tmp_path, tiny_dataset, 2, 1, ARGS, env=ENV) as cluster:
+        cluster.start_all()
+        _wait_for_step(cluster, stop_at)
+        for node in cluster.nodes:
+            os.kill(node.proc.pid, signal.SIGTERM)  # the kubelet's SIGTERM to every pod's PID 1
+        codes = cluster.wait(timeout=60)
+        assert set(codes.values()) == {ExitCode.PREEMPTED}, f"{codes} (SIGTERM at step {stop_at})\n{cluster.tail()}"
+        (preempted,) = events(tmp_path / "run", "preempted")
+        cluster.nodes.clear()
+        cluster.start_all()
+        codes = cluster.wait(timeout=120)
+        assert set(codes.values()) == {0}, f"{codes}\n{cluster.tail()}"
+    restarts = [r for r in events(tmp_path / "run", "restart") if r["rank"] == 0]
+    assert [(r["layer"], r["resumed_step"]) for r in restarts] == [("cluster", preempted["step"])], restarts
+    assert_same_weights(tmp_path / "run", reference)
+
+
+def test_a_permanent_error_on_one_node_stops_every_node_with_its_code(tmp_path, tiny_dataset):
+    with Cluster(tmp_path, tiny_dataset, 2, 1, [*ARGS, "--resiliency.faults=1:3:data_error"], env=ENV) as cluster:
+        cluster.start_all()
+        began = time.monotonic()
+        codes = cluster.wait(timeout=90)
+        took = time.monotonic() - began
+    assert set(codes.values()) == {ExitCode.DATA_ERROR}, f"{codes}\n{cluster.tail()}"
+    for node in cluster.nodes:
+        out = node.output()
+        assert "will restart worker group" not in out, f"{node.name} restarted its workers:\n{out[-3000:]}"
+        assert "exiting 3: rank 1" in out, out[-3000:]
+    assert took < 60, f"every node stopped {took:.0f} s after the start"
