@@ -1,12 +1,16 @@
 """``python -m pipelines.demo``: the whole pipeline locally (``kfp.local``), with a fault for every layer.
 
-Trains the tiny model on 2 CPU processes (gloo) on a slice of this Python's standard library, and injects:
+Trains the tiny model on 2 nodes of one CPU process each (two ``entrypoint.sh``, as two pods: gloo across them) on a
+slice of this Python's standard library, and injects:
 
 - an ``exception`` on rank 0 -> caught by the in-process layer (NVRx Wrapper), same processes go on;
-- a ``sigkill`` of rank 1 -> the in-job layer (ft_launcher) restarts the workers from the checkpoint;
-- a ``sigterm`` (preemption drill) -> the trainer commits a final checkpoint and exits 202 (retryable);
-  ``max_cluster_restarts=0`` makes the train step fail, and the pipeline's ``set_retry`` starts a new
-  attempt that resumes from that checkpoint (the cluster / pipeline-retry layer).
+- a ``sigkill`` of rank 1 -> the in-job layer (ft_launcher) restarts the workers of both nodes from their memory;
+- a ``node_lost`` on rank 1 -> its whole node goes (processes and memory); the local backend starts it again as a
+  replacement pod (the one cluster restart ``max_cluster_restarts=1`` allows), which joins the rendezvous: rank 0
+  resumes from its node's memory, rank 1 from the persistent tier (the node layer);
+- a ``sigterm`` (preemption drill) -> every node commits a final checkpoint and exits 202 (retryable); the budget
+  spent, the train step fails, and the pipeline's ``set_retry`` starts a new attempt that resumes from that
+  checkpoint (the cluster / pipeline-retry layer).
 
 Then evaluates the checkpoint, writes the HTML report, and promotes the model if it beats the promoted one.
 
@@ -35,8 +39,9 @@ from components.lib.report import LAYER_TITLES, read_jsonl, summarize_ledger
 
 ROOT = Path("runs") / "demo"
 STEPS = 60
-# exception (in-process) at 15, sigkill (in-job) at 33, sigterm (cluster: step fails, pipeline retry) at 48.
-FAULTS = "0:15:exception,1:33:sigkill,0:48:sigterm"
+# exception (in-process) at 15, sigkill (in-job) at 27, node_lost (node: a replacement pod) at 38, sigterm (cluster: the
+# step fails, pipeline retry) at 50.
+FAULTS = "0:15:exception,1:27:sigkill,1:38:node_lost,0:50:sigterm"
 #: Lines the terminal shows (the rest is in the log file): the steps' own progress lines, kfp.local's outcome of
 #: each task and of the pipeline, and the trainer's recovery events (`RECOVERY_EVENTS`).
 SHOWN = re.compile(r"^\[(demo|validate|data|train|eval|promote|cleanup)\] |^\S+ - \w+ - (Task|Pipeline) .* finished with "
@@ -51,8 +56,8 @@ PUMP_JOIN_S = 10.0
 def demo_params(workdir: Path, steps: int = STEPS, faults: str = FAULTS, **overrides: Any) -> dict[str, Any]:
     """Pipeline arguments of the local demo (every one validated by `PipelineParams`)."""
     params = dict(
-        model="tiny", steps=steps, checkpoint_interval=10, procs_per_node=2, gpus_per_node=0, seq_len=128,
-        batch_size=8, faults=faults, inprocess_restart=True, ft_max_restarts=2, max_cluster_restarts=0,
+        model="tiny", steps=steps, checkpoint_interval=10, nodes=2, procs_per_node=1, gpus_per_node=0, seq_len=128,
+        batch_size=8, faults=faults, inprocess_restart=True, ft_max_restarts=2, max_cluster_restarts=1,
         backend="local", corpus="", vocab_size=2048, max_corpus_bytes=1_500_000, workdir=str(workdir.resolve()),
         eval_batch_size=8, eval_max_batches=20, deadline_hours=1.0,
     )
@@ -175,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = Path(args.root)
     params = demo_params(root / "work", steps=args.steps, faults=args.faults, trainer_overrides=args.trainer_override)
     log_path = root / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    print(f"[demo] tiny model, {args.steps} steps, 2 CPU processes; faults: {args.faults or 'none'}\n"
+    print(f"[demo] tiny model, {args.steps} steps, 2 nodes x 1 CPU process; faults: {args.faults or 'none'}\n"
           f"[demo] progress and recovery events below; the full log: {log_path}", flush=True)
     started = time.monotonic()
     try:

@@ -1,13 +1,21 @@
-"""Local backend of the train step: runs ``trainer_image/entrypoint.sh`` as a subprocess, like one pod.
+"""Local backend of the train step: runs ``trainer_image/entrypoint.sh`` as subprocesses, one per node, as the pods.
 
 `LocalLauncher.run(spec)` gives the local run the cluster layer's semantics (the PyTorchJob's
 ``restartPolicy: ExitCode`` plus the launcher's restart budget):
 
-- exit 0: done;
-- exit 1-127 (permanent: config, data, checkpoint error or a bug): fail at once with the log tail;
-- exit >= 128 (retryable: killed, preempted, in-job budget spent): relaunch while ``max_cluster_restarts``
-  remains; the trainer resumes from its latest checkpoint. When the budget is spent the step fails and
+- every node exits 0: done;
+- a node exits 1-127 (permanent: config, data, checkpoint error or a bug): fail with the log tail (the other nodes
+  stop with the same code by themselves: ``trainer.resiliency.launch``; what still runs after a grace is killed);
+- a node exits >= 128 or dies by a signal (its pod lost, killed, an unhealthy node, its rendezvous not found again)
+  while others still run: that node is started again at once, with an empty node-local directory, as the operator
+  recreates a pod; it joins the job's rendezvous and the job goes on (the trainer's ``node`` recovery);
+- every node has ended, retryable (preempted, in-job budget spent): relaunch the whole job;
+- each restart, of a node or of the job, counts against ``max_cluster_restarts``; when it is spent the step fails and
   the pipeline's ``set_retry`` takes over (the next attempt resumes too).
+
+Several nodes on one machine get what pods would: ``PET_NNODES``, their own ``PET_NODE_RANK``, the same
+``MASTER_ADDR``/``MASTER_PORT``, an address each (``FT_LOCAL_ADDR`` 127.0.0.<k+1>: the rendezvous keeps a node's
+ranks by it) and their own ``--checkpoint.node_local_dir`` (the pod's memory).
 
 The entrypoint runs in its own session with a marker in its environment; every process it starts
 inherits both. Any way out of `run` other than a normal exit (deadline, SIGTERM when the pipeline is
@@ -37,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -130,6 +138,8 @@ class LocalJobSpec:
     """Trainer CLI args, e.g. ("--config", "tiny", "--train.steps=100")."""
     nproc_per_node: int = 2
     """Processes ft_launcher starts (env NPROC_PER_NODE)."""
+    nodes: int = 1
+    """Entrypoints, one per node (env PET_NNODES, PET_NODE_RANK)."""
     ft_max_restarts: int = 3
     """In-job restart budget of ft_launcher (env FT_MAX_RESTARTS)."""
     max_cluster_restarts: int = 0
@@ -153,7 +163,7 @@ class LocalJobSpec:
             raise ValueError(f"echo must be {ECHO_ALL!r} or {ECHO_PROGRESS!r}; got {self.echo!r}")
         if isinstance(self.args, str):
             raise ValueError(f"args must be a list of arguments, not one string; got {self.args!r}")
-        for name in ("nproc_per_node",):
+        for name in ("nproc_per_node", "nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         for name in ("ft_max_restarts", "max_cluster_restarts"):
@@ -163,12 +173,14 @@ class LocalJobSpec:
 
 @dataclass
 class Launch:
-    """One start of the entrypoint."""
+    """One start of the job: its entrypoints, one per node."""
 
     number: int
     exit_code: int
     duration_s: float
     log_file: str | None
+    node_restarts: int = 0
+    """Nodes started again while the others ran (a lost pod replaced)."""
 
 
 @dataclass
@@ -178,8 +190,8 @@ class LocalJobResult:
 
     @property
     def relaunches(self) -> int:
-        """Cluster-layer restarts done by this launcher (launches after the first)."""
-        return len(self.launches) - 1
+        """Cluster-layer restarts done by this launcher: launches after the first, and nodes started again."""
+        return len(self.launches) - 1 + sum(launch.node_restarts for launch in self.launches)
 
 
 class ProgressReporter:
@@ -229,11 +241,14 @@ class LocalLauncher:
         with sigterm_raises(lambda: LauncherTerminated('the train step received SIGTERM (pipeline run cancelled?)')):
             while True:
                 number = len(launches) + 1
-                self._say(f"[train] launch {number}: {entrypoint.name} with {spec.nproc_per_node} process(es), "
-                          f"in-job restarts {spec.ft_max_restarts}, cluster restarts used "
-                          f"{number - 1}/{spec.max_cluster_restarts}")
-                code, tail, log_file, took = self._launch_once(spec, entrypoint, number, deadline, progress)
-                launches.append(Launch(number, code, round(took, 3), log_file))
+                used = LocalJobResult(launches, 0).relaunches
+                self._say(f"[train] launch {number}: {entrypoint.name} on {spec.nodes} node(s) x "
+                          f"{spec.nproc_per_node} process(es), in-job restarts {spec.ft_max_restarts}, cluster "
+                          f"restarts used {used}/{spec.max_cluster_restarts}")
+                run = _Run(self, spec, entrypoint, number, deadline, progress, spare=spec.max_cluster_restarts - used)
+                code, tail, log_file, took = run.launch()
+                launches.append(Launch(number, code, round(took, 3), log_file, run.replaced))
+                used = LocalJobResult(launches, 0).relaunches
                 if code == 0:
                     self._say(f"[train] finished after {len(launches)} launch(es) in {time.monotonic() - started:.0f} s")
                     return LocalJobResult(launches, time.monotonic() - started)
@@ -241,95 +256,176 @@ class LocalLauncher:
                     raise PermanentFailure(
                         f"training exited {exit_name(code)}: a permanent failure (1-127), not retried; fix the "
                         "cause named in the log", code, tail)
-                if number > spec.max_cluster_restarts:
+                if used >= spec.max_cluster_restarts:
                     raise RestartBudgetExceeded(
                         f"training exited {exit_name(code)} (retryable) and the local restart budget is spent "
-                        f"(max_cluster_restarts={spec.max_cluster_restarts}, {number - 1} relaunch(es) done); "
+                        f"(max_cluster_restarts={spec.max_cluster_restarts}, {used} restart(s) done); "
                         "the pipeline step's retry resumes from the latest checkpoint", code, tail)
                 self._say(f"[train] exit {exit_name(code)} is retryable: relaunching "
-                          f"({number}/{spec.max_cluster_restarts}), resuming from the latest checkpoint")
+                          f"({used + 1}/{spec.max_cluster_restarts}), resuming from the latest checkpoint")
                 time.sleep(spec.relaunch_delay_s)
-
-    def _launch_once(self, spec: LocalJobSpec, entrypoint: Path, number: int, deadline: float | None,
-                     progress: ProgressReporter) -> tuple[int, list[str], str | None, float]:
-        marker = uuid.uuid4().hex
-        tmp = Path(tempfile.mkdtemp(prefix=f"train-launch-{number}."))
-        try:
-            return self._launch_in(spec, entrypoint, number, deadline, progress, marker, tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _launch_in(self, spec: LocalJobSpec, entrypoint: Path, number: int, deadline: float | None,
-                   progress: ProgressReporter, marker: str, tmp: Path) -> tuple[int, list[str], str | None, float]:
-        env = {
-            **os.environ,
-            # a free rendezvous port per launch: other local runs (tests, a second demo) may hold 29500
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
-            **spec.env,
-            "NPROC_PER_NODE": str(spec.nproc_per_node),
-            "FT_MAX_RESTARTS": str(spec.ft_max_restarts),
-            "PYTHONUNBUFFERED": "1",
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-            "TMPDIR": str(tmp),
-            MARKER_ENV: marker,
-        }
-        log_path = Path(spec.state_dir) / f"launch-{number}.log" if spec.state_dir else None
-        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-        began = time.monotonic()
-        proc = subprocess.Popen(  # noqa: S603 - an argument list, never a shell string
-            [str(entrypoint), *spec.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            errors="replace", bufsize=1, env=env, cwd=spec.cwd, start_new_session=True)
-        if spec.state_dir:
-            _write_state(Path(spec.state_dir), proc.pid, marker)
-        reader = threading.Thread(target=self._pump, args=(proc.stdout, log_path, tail, progress, spec.echo),
-                                  daemon=True)
-        reader.start()
-        try:
-            while True:
-                try:
-                    code = proc.wait(timeout=POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise DeadlineExceeded(f"training did not finish within the deadline "
-                                               f"({spec.deadline_s:.0f} s); killed it", None, list(tail))
-        except BaseException:
-            self._say(f"[train] stopping: killing the training process tree (pid {proc.pid})")
-            _kill_tree(proc.pid, marker)
-            proc.wait()
-            reader.join(5)
-            if spec.state_dir:
-                (Path(spec.state_dir) / STATE_FILE).unlink(missing_ok=True)
-            raise
-        reader.join(10)
-        # Workers that outlived the entrypoint (they should not) must not train on into the next launch.
-        leftovers = _kill_tree(proc.pid, marker)
-        if leftovers:
-            self._say(f"[train] killed {leftovers} process(es) left behind by the entrypoint")
-        if spec.state_dir:
-            (Path(spec.state_dir) / STATE_FILE).unlink(missing_ok=True)
-        code = 128 - code if code < 0 else code  # -N: killed by signal N -> 128 + N, as a shell reports it
-        return code, list(tail), str(log_path) if log_path else None, time.monotonic() - began
-
-    def _pump(self, stream: TextIO, log_path: Path | None, tail: deque[str], progress: ProgressReporter,
-              echo: str) -> None:
-        with open(log_path, "a") if log_path else contextlib.nullcontext() as log_file:
-            for raw in stream:
-                line = raw.rstrip("\n")
-                tail.append(line)
-                if log_file:
-                    log_file.write(line + "\n")
-                if echo == ECHO_ALL or RECOVERY_EVENTS.search(line):
-                    self._out.write(line + "\n")
-                report = progress.feed(line)
-                if report:
-                    self._out.write(report + "\n")
-                self._out.flush()
 
     def _say(self, message: str) -> None:
         self._out.write(message + "\n")
         self._out.flush()
+
+
+NODE_ENDED_GRACE_S = 30.0
+"""After a node's permanent exit, how long the others get to stop by themselves (with the same code) before they are
+killed."""
+
+
+class _Run:
+    """One launch: an entrypoint per node in a session of its own (all marked, ``MARKER_ENV``), their output in one log
+    (``[node k]`` before each line when there are several), a node that ends retryable while others run started again
+    (``spare`` times at most: the restart budget left)."""
+
+    def __init__(self, launcher: LocalLauncher, spec: LocalJobSpec, entrypoint: Path, number: int,
+                 deadline: float | None, progress: ProgressReporter, spare: int) -> None:
+        self.launcher, self.spec, self.entrypoint, self.number = launcher, spec, entrypoint, number
+        self.deadline, self.progress, self.spare = deadline, progress, spare
+        self.marker = uuid.uuid4().hex
+        self.port = _free_port()  # a free rendezvous port per launch: other local runs (tests, a demo) may hold 29500
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.log_path = Path(spec.state_dir) / f"launch-{number}.log" if spec.state_dir else None
+        self.lock = threading.Lock()
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.incarnations: dict[int, int] = {}
+        self.readers: list[threading.Thread] = []
+        self.replaced = 0
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"train-launch-{number}."))
+        self.memory = _node_memory_base(spec.args, self.marker) if spec.nodes > 1 else None
+
+    def launch(self) -> tuple[int, list[str], str | None, float]:
+        """Run every node until the job ends; (code, log tail, log file, seconds)."""
+        began = time.monotonic()
+        try:
+            with open(self.log_path, "a") if self.log_path else contextlib.nullcontext() as log_file:
+                self.log_file = log_file
+                code = self._supervise()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.memory is not None:
+                shutil.rmtree(self.memory, ignore_errors=True)
+        return code, list(self.tail), str(self.log_path) if self.log_path else None, time.monotonic() - began
+
+    def _supervise(self) -> int:
+        for node in range(self.spec.nodes):
+            self._start(node)
+        if self.spec.state_dir:
+            _write_state(Path(self.spec.state_dir), self.procs[0].pid, self.marker)
+        ended: dict[int, int] = {}
+        try:
+            while len(ended) < len(self.procs):
+                time.sleep(POLL_S)
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise DeadlineExceeded(f"training did not finish within the deadline ({self.spec.deadline_s:.0f} "
+                                           "s); killed it", None, list(self.tail))
+                for node, proc in list(self.procs.items()):
+                    if node in ended or proc.poll() is None:
+                        continue
+                    code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode  # -N: signal N
+                    running = [k for k in self.procs if k != node and k not in ended]
+                    if is_retryable(code) and running and self.replaced < self.spare:
+                        self.replaced += 1
+                        self.launcher._say(f"[train] node {node} exited {exit_name(code)} while the others run: "
+                                           f"starting it again, as a replacement pod ({self.replaced} node "
+                                           "restart(s) in this launch)")
+                        self._start(node)
+                        continue
+                    ended[node] = code
+                    if code and running:  # a permanent exit stops the others by itself; an unreplaced node never
+                        self._stop_others(ended, gracefully=not is_retryable(code))  # comes back: stop them
+        except BaseException:
+            self.launcher._say(f"[train] stopping: killing the training process tree (pid {self.procs[0].pid})")
+            _kill_tree(self.procs[0].pid, self.marker)
+            self._reap()
+            raise
+        self._reap()
+        leftovers = _kill_tree(self.procs[0].pid, self.marker)  # workers must not outlive their entrypoint
+        if leftovers:
+            self.launcher._say(f"[train] killed {leftovers} process(es) left behind by the entrypoints")
+        codes = list(ended.values())
+        permanent = [c for c in codes if 0 < c < RETRYABLE_MIN]
+        return permanent[0] if permanent else next((c for c in codes if c), 0)
+
+    def _stop_others(self, ended: dict[int, int], gracefully: bool) -> None:
+        """The job cannot go on: wait for the other nodes to stop by themselves (a permanent exit), or SIGTERM them
+        (an unreplaced node), then kill what is left; their codes are recorded."""
+        give_up = time.monotonic() + (NODE_ENDED_GRACE_S if gracefully else TERMINATE_GRACE_S)
+        for node, proc in self.procs.items():
+            if node not in ended and not gracefully:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        for node, proc in self.procs.items():
+            if node in ended:
+                continue
+            try:
+                proc.wait(timeout=max(0.1, give_up - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid, self.marker, grace_s=0)
+                proc.wait()
+            ended[node] = 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+
+    def _start(self, node: int) -> None:
+        spec, several = self.spec, self.spec.nodes > 1
+        incarnation = self.incarnations[node] = self.incarnations.get(node, -1) + 1
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            **spec.env,
+            "PET_NNODES": str(spec.nodes),
+            "PET_NODE_RANK": str(node),
+            "NPROC_PER_NODE": str(spec.nproc_per_node),
+            "FT_MAX_RESTARTS": str(spec.ft_max_restarts),
+            "PYTHONUNBUFFERED": "1",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "TMPDIR": str(self.tmp),
+            MARKER_ENV: self.marker,
+        }
+        args = list(spec.args)
+        if several:  # what a pod of its own would have: an address, and memory of its own (empty in a new pod)
+            env["FT_LOCAL_ADDR"] = f"127.0.0.{node + 1}"
+            args.append(f"--checkpoint.node_local_dir={self.memory}/node{node}.{incarnation}")
+        proc = subprocess.Popen(  # noqa: S603 - an argument list, never a shell string
+            [str(self.entrypoint), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace", bufsize=1, env=env, cwd=spec.cwd, start_new_session=True)
+        self.procs[node] = proc
+        reader = threading.Thread(target=self._pump, args=(proc.stdout, f"[node {node}] " if several else ""),
+                                  daemon=True)
+        reader.start()
+        self.readers.append(reader)
+
+    def _pump(self, stream: TextIO, prefix: str) -> None:
+        for raw in stream:
+            line = prefix + raw.rstrip("\n")
+            with self.lock:
+                self.tail.append(line)
+                if self.log_file:
+                    self.log_file.write(line + "\n")
+                if self.spec.echo == ECHO_ALL or RECOVERY_EVENTS.search(line):
+                    self.launcher._out.write(line + "\n")
+                report = self.progress.feed(line)
+                if report:
+                    self.launcher._out.write(report + "\n")
+                self.launcher._out.flush()
+
+    def _reap(self) -> None:
+        for proc in self.procs.values():
+            proc.wait()
+        for reader in self.readers:
+            reader.join(10)
+        if self.spec.state_dir:
+            (Path(self.spec.state_dir) / STATE_FILE).unlink(missing_ok=True)
+
+
+def _node_memory_base(args: Sequence[str], marker: str) -> Path:
+    """Where the nodes' node-local directories go: under the job's ``--checkpoint.node_local_dir`` (memory,
+    ``/dev/shm`` by default), in a directory of this launch's own."""
+    base = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("--checkpoint.node_local_dir=")),
+                "/dev/shm")
+    return Path(base) / f"resilient-train-nodes.{marker[:12]}"
 
 
 def _free_port() -> int:

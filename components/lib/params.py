@@ -116,7 +116,7 @@ class PipelineParams:
     checkpoint_interval: int = 50
     """Save a checkpoint every N steps (and at the end); must be < steps."""
     nodes: int = 1
-    """Training pods (PyTorchJob Master + Workers); 1 for the local backend."""
+    """Training pods (PyTorchJob Master + Workers); the local backend runs one entrypoint per node on this machine."""
     gpus_per_node: int = 0
     """GPUs (= ranks) per node; 0 trains on CPU with procs_per_node ranks (gloo)."""
     procs_per_node: int = 2
@@ -336,9 +336,6 @@ class PipelineParams:
         if not self.workdir.startswith("/"):
             e.append(f"workdir must be an absolute path (every step and pod must resolve it the same); "
                      f"got {self.workdir!r}")
-        if self.backend == "local" and _is_int(self.nodes) and self.nodes != 1:
-            e.append(f"nodes must be 1 with backend 'local' (one machine); got {self.nodes}: use backend "
-                     "'pytorchjob' for several nodes")
         if self.backend in CLUSTER_BACKENDS:
             mount = PurePosixPath(SHARED_MOUNT)
             if self.workdir.startswith("/") and mount not in PurePosixPath(self.workdir).parents:

@@ -139,7 +139,7 @@ class LocalBackend:
         from components.lib.local_launcher import ECHO_ALL, ECHO_ENV, LocalJobSpec, LocalLauncher
 
         spec = LocalJobSpec(
-            args=args, nproc_per_node=p.procs_per_rank_node, ft_max_restarts=p.ft_max_restarts,
+            args=args, nodes=p.nodes, nproc_per_node=p.procs_per_rank_node, ft_max_restarts=p.ft_max_restarts,
             max_cluster_restarts=p.max_cluster_restarts, state_dir=layout.launcher_dir, total_steps=p.steps,
             entrypoint=self.entrypoint, deadline_s=p.deadline_hours * 3600, relaunch_delay_s=self.relaunch_delay_s,
             echo=os.environ.get(ECHO_ENV, ECHO_ALL))
