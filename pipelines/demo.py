@@ -8,9 +8,10 @@ slice of this Python's standard library, and injects:
 - a ``node_lost`` on rank 1 -> its whole node goes (processes and memory); the local backend starts it again as a
   replacement pod (the one cluster restart ``max_cluster_restarts=1`` allows), which joins the rendezvous: rank 0
   resumes from its node's memory, rank 1 from the persistent tier (the node layer);
-- a ``sigterm`` (preemption drill) -> every node commits a final checkpoint and exits 202 (retryable); the budget
-  spent, the train step fails, and the pipeline's ``set_retry`` starts a new attempt that resumes from that
-  checkpoint (the cluster / pipeline-retry layer).
+- a ``sigterm`` to rank 0's pod (preemption drill) -> every rank commits a final checkpoint of the same step and the
+  preempted node exits 202 (retryable); with the restart budget spent the local backend stops the other node, the
+  train step fails, and the pipeline's ``set_retry`` starts a new attempt that resumes from that checkpoint (the
+  cluster / pipeline-retry layer).
 
 Then evaluates the checkpoint, writes the HTML report, and promotes the model if it beats the promoted one.
 

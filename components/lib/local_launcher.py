@@ -191,7 +191,7 @@ class LocalJobResult:
     @property
     def relaunches(self) -> int:
         """Cluster-layer restarts done by this launcher: launches after the first, and nodes started again."""
-        return len(self.launches) - 1 + sum(launch.node_restarts for launch in self.launches)
+        return _restarts_used(self.launches)
 
 
 class ProgressReporter:
@@ -241,14 +241,14 @@ class LocalLauncher:
         with sigterm_raises(lambda: LauncherTerminated('the train step received SIGTERM (pipeline run cancelled?)')):
             while True:
                 number = len(launches) + 1
-                used = LocalJobResult(launches, 0).relaunches
+                used = _restarts_used(launches)
                 self._say(f"[train] launch {number}: {entrypoint.name} on {spec.nodes} node(s) x "
                           f"{spec.nproc_per_node} process(es), in-job restarts {spec.ft_max_restarts}, cluster "
                           f"restarts used {used}/{spec.max_cluster_restarts}")
                 run = _Run(self, spec, entrypoint, number, deadline, progress, spare=spec.max_cluster_restarts - used)
                 code, tail, log_file, took = run.launch()
                 launches.append(Launch(number, code, round(took, 3), log_file, run.replaced))
-                used = LocalJobResult(launches, 0).relaunches
+                used = _restarts_used(launches)
                 if code == 0:
                     self._say(f"[train] finished after {len(launches)} launch(es) in {time.monotonic() - started:.0f} s")
                     return LocalJobResult(launches, time.monotonic() - started)
@@ -418,6 +418,11 @@ class _Run:
             reader.join(10)
         if self.spec.state_dir:
             (Path(self.spec.state_dir) / STATE_FILE).unlink(missing_ok=True)
+
+
+def _restarts_used(launches: Sequence[Launch]) -> int:
+    """Cluster-layer restarts so far: every launch after the first, every node started again."""
+    return max(0, len(launches) - 1) + sum(launch.node_restarts for launch in launches)
 
 
 def _node_memory_base(args: Sequence[str], marker: str) -> Path:

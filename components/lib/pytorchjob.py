@@ -9,6 +9,25 @@ Contract with the trainer image: the container runs `ENTRYPOINT` with the traine
 entrypoint reads the rendezvous env the operator injects (``PET_*``, ``MASTER_ADDR``/``MASTER_PORT``)
 and runs ``ft_launcher`` with the in-job restart budget from env ``FT_MAX_RESTARTS``. Exit codes
 1-127 are permanent and >= 128 retryable, which is what ``restartPolicy: ExitCode`` acts on.
+
+A lost pod is replaced alone (training-operator v1.9, pkg/controller.v1/common/pod.go ``ReconcilePods``): a pod
+that failed with a retryable code is deleted and, like any missing index, created again under the same name
+``<job>-<master|worker>-<i>``, with the same ``PET_NODE_RANK``, while the other pods keep running. The rendezvous
+env it gets (pkg/controller.v1/pytorch/envvar.go, master.go): ``PET_NNODES`` (Master + Workers),
+``PET_NPROC_PER_NODE`` (``spec.nprocPerNode``), ``PET_NODE_RANK`` (Master 0, Worker i: i+1), ``MASTER_ADDR`` =
+``PET_MASTER_ADDR`` = ``<job>-master-0``, ``MASTER_PORT`` = ``PET_MASTER_PORT`` = the container port
+``pytorchjob-port`` (23456 by default), plus ``WORLD_SIZE``, ``RANK``, ``PYTHONUNBUFFERED``. ``<job>-master-0``
+is both the Master pod's host name (so its launcher hosts the rendezvous store) and a headless Service the
+operator keeps selecting index 0 of the Master (so it resolves to the replacement pod once that is ready). This
+module adds ``FT_LOCAL_ADDR`` = the pod's name (downward API): the node's address in the rendezvous, the same for
+every pod of an index, resolvable through that index's Service.
+
+A pod whose node is lost: the node controller taints the node ``node.kubernetes.io/unreachable`` (or
+``not-ready``) ``NoExecute``, and the pod is evicted (deleted) once its toleration of that taint runs out. Every
+training pod tolerates those two taints for `NODE_LOST_TOLERATION_S` instead of the cluster's default 300 s (unless
+the spec brings its own toleration for the key): `pod_tolerations`. The operator creates the replacement, under the
+same name, only once the old pod object is gone: at once where the node's kubelet still answers, else when the node
+object is deleted or tainted ``node.kubernetes.io/out-of-service`` (PodGC then force-deletes its terminating pods).
 """
 
 from __future__ import annotations
@@ -46,6 +65,13 @@ GPU_RESOURCE = "nvidia.com/gpu"
 FT_MAX_RESTARTS_ENV = "FT_MAX_RESTARTS"
 NODE_NAME_ENV = "NODE_NAME"
 """The training pods' node name (downward API), which the trainer's host-naming lines read."""
+LOCAL_ADDR_ENV = "FT_LOCAL_ADDR"
+"""entrypoint.sh: this node's address in the rendezvous (a fresh round numbers nodes in the order of these)."""
+NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+"""The NoExecute taints the node controller puts on a node that stopped reporting (unreachable) or reports itself
+not ready; a pod that does not tolerate them is evicted at once, the cluster default is 300 s."""
+NODE_LOST_TOLERATION_S = 60
+"""How long a training pod stays bound to a lost node before it is evicted and replaced (the others wait for it)."""
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 SHARED_VOLUME = "shared"
@@ -69,7 +95,8 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 # Set by the training-operator (rendezvous) or by this module; a user value would be overwritten.
 RESERVED_ENV = frozenset(
-    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED"}
+    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, LOCAL_ADDR_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+     "PYTHONUNBUFFERED"}
 )
 RESERVED_ENV_PREFIX = "PET_"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -249,6 +276,21 @@ def _is_label_key(key: str) -> bool:
     return (not prefix or _is_subdomain(prefix)) and len(name) <= DNS1035_MAX_LEN and bool(_LABEL_NAME.match(name))
 
 
+def _tolerates(toleration: Mapping[str, Any], key: str) -> bool:
+    """Whether `toleration` already covers the NoExecute taint `key` (its key, or every key with Exists)."""
+    same_key = toleration.get("key") == key or (not toleration.get("key") and toleration.get("operator") == "Exists")
+    return same_key and toleration.get("effect") in (None, "", "NoExecute")
+
+
+def pod_tolerations(tolerations: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The training pods' tolerations (camelCase): the spec's, then, for each of `NODE_LOST_TAINTS` the spec does
+    not tolerate itself, ``Exists``/``NoExecute`` for `NODE_LOST_TOLERATION_S`: a lost node's pod is evicted and
+    replaced after about a minute instead of the cluster's default five."""
+    own = [dict(t) for t in tolerations]
+    return own + [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOST_TOLERATION_S}
+                  for key in NODE_LOST_TAINTS if not any(_tolerates(t, key) for t in own)]
+
+
 def _container(spec: TrainJobSpec) -> k8s.V1Container:
     requests = {"cpu": spec.cpu_request, "memory": spec.memory_request}
     limits = {k: v for k, v in (("cpu", spec.cpu_limit), ("memory", spec.memory_limit)) if v is not None}
@@ -258,7 +300,11 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
            k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1"),  # training logs reach the step log promptly
            # the node, for the lines that name a host (a straggler eviction): the pod's hostname is not the node's
            k8s.V1EnvVar(name=NODE_NAME_ENV, value_from=k8s.V1EnvVarSource(
-               field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))]
+               field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName"))),
+           # the rendezvous address: the pod's name <job>-<type>-<i>, the same in a replacement pod, and the name of
+           # the headless Service the operator makes for that index (other pods resolve it)
+           k8s.V1EnvVar(name=LOCAL_ADDR_ENV, value_from=k8s.V1EnvVarSource(
+               field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))]
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
     if spec.credentials_secret:  # for the base model's download (trainer model.from_hf=hf://..., s3://...)
         env += [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
@@ -290,7 +336,7 @@ def _pod_template(spec: TrainJobSpec) -> k8s.V1PodTemplateSpec:
     tolerations = [
         k8s.V1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"), effect=t.get("effect"),
                          toleration_seconds=t.get("tolerationSeconds"))
-        for t in spec.tolerations
+        for t in pod_tolerations(spec.tolerations)
     ]
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(labels=_labels(spec), annotations=dict(POD_ANNOTATIONS)),
@@ -298,7 +344,7 @@ def _pod_template(spec: TrainJobSpec) -> k8s.V1PodTemplateSpec:
             containers=[_container(spec)],
             volumes=volumes,
             node_selector=dict(spec.node_selector) or None,
-            tolerations=tolerations or None,
+            tolerations=tolerations,
             service_account_name=spec.service_account,
             image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in spec.image_pull_secrets] or None,
             priority_class_name=spec.priority_class,

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -153,3 +154,80 @@ def test_default_entrypoint_is_the_projects():
 def test_args_must_be_a_list():
     with pytest.raises(ValueError, match="not one string"):
         LocalJobSpec(args="--config tiny")
+
+
+# --- several nodes: one entrypoint each, as the pods ------------------------------------------------------------
+def node_entrypoint(tmp_path, plan):
+    """Node k's n-th start (incarnation) follows ``plan[k][n]`` (the last repeats): ``("exit", code)`` after 0.3 s, or
+    ``("wait", name)``: run until the file ``name`` exists, then exit 0. Records each start's node, env and argv."""
+    return write_script(tmp_path / "entrypoint.sh", f"""
+        import json, os, sys, time
+        from pathlib import Path
+        node = int(os.environ["PET_NODE_RANK"])
+        log = Path({str(tmp_path / 'starts.jsonl')!r})
+        n = sum(json.loads(line)["node"] == node for line in log.read_text().splitlines()) if log.exists() else 0
+        keys = ("PET_NNODES", "PET_NODE_RANK", "FT_LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT")
+        with log.open("a") as f:
+            f.write(json.dumps({{"node": node, "n": n, "argv": sys.argv[1:],
+                                 "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
+        steps = {plan!r}[node]
+        what, arg = steps[min(n, len(steps) - 1)]
+        print(f"node {{node}} start {{n}}: {{what}} {{arg}}", flush=True)
+        if what == "exit":
+            time.sleep(0.3)
+            sys.exit(arg)
+        while not Path({str(tmp_path)!r}, arg).exists():
+            time.sleep(0.05)
+    """)
+
+
+def starts(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
+
+
+def test_every_node_gets_its_rank_address_and_memory(tmp_path):
+    (tmp_path / "go").touch()
+    entry = node_entrypoint(tmp_path, [[("wait", "go")], [("wait", "go")]])
+    result = LocalLauncher(io.StringIO()).run(spec(tmp_path, entry, nodes=2, nproc_per_node=1))
+    assert result.relaunches == 0
+    by_node = {s["node"]: s for s in starts(tmp_path)}
+    assert {k: (s["env"]["PET_NNODES"], s["env"]["FT_LOCAL_ADDR"]) for k, s in by_node.items()} == {
+        0: ("2", "127.0.0.1"), 1: ("2", "127.0.0.2")}
+    assert by_node[0]["env"]["MASTER_PORT"] == by_node[1]["env"]["MASTER_PORT"]
+    memory = {k: s["argv"][-1] for k, s in by_node.items()}
+    assert all(m.startswith("--checkpoint.node_local_dir=") for m in memory.values()) and memory[0] != memory[1]
+    log = (tmp_path / "state" / "launch-1.log").read_text()
+    assert "[node 0] node 0 start 0" in log and "[node 1] node 1 start 0" in log
+
+
+def test_a_node_lost_while_the_other_runs_is_started_again(tmp_path):
+    entry = node_entrypoint(tmp_path, [[("wait", "done")], [("exit", 137), ("exit", 0)]])
+    out = io.StringIO()
+    with_done = threading.Timer(3.0, lambda: (tmp_path / "done").touch())
+    with_done.start()
+    result = LocalLauncher(out).run(spec(tmp_path, entry, nodes=2, nproc_per_node=1, max_cluster_restarts=1))
+    with_done.cancel()
+    assert result.relaunches == 1 and result.launches[0].node_restarts == 1 and len(result.launches) == 1
+    assert "node 1 exited 137 (KILLED) while the others run: starting it again" in out.getvalue()
+    node1 = [s for s in starts(tmp_path) if s["node"] == 1]
+    assert len(node1) == 2 and node1[0]["argv"][-1] != node1[1]["argv"][-1], "a new pod: new, empty memory"
+
+
+def test_a_node_lost_with_no_restart_left_stops_the_job(tmp_path):
+    entry = node_entrypoint(tmp_path, [[("wait", "never")], [("exit", 137)]])
+    with pytest.raises(RestartBudgetExceeded) as info:
+        LocalLauncher(io.StringIO()).run(spec(tmp_path, entry, nodes=2, nproc_per_node=1, max_cluster_restarts=0))
+    assert info.value.exit_code == 137
+    assert len(starts(tmp_path)) == 2, "nothing started again"
+
+
+def test_a_permanent_exit_on_one_node_fails_the_job_with_its_code(tmp_path):
+    entry = node_entrypoint(tmp_path, [[("wait", "never")], [("exit", 3)]])
+    ll_grace, ll.NODE_ENDED_GRACE_S = ll.NODE_ENDED_GRACE_S, 1.0  # node 0 does not stop by itself here
+    try:
+        with pytest.raises(PermanentFailure) as info:
+            LocalLauncher(io.StringIO()).run(spec(tmp_path, entry, nodes=2, nproc_per_node=1,
+                                                  max_cluster_restarts=3))
+    finally:
+        ll.NODE_ENDED_GRACE_S = ll_grace
+    assert info.value.exit_code == 3 and len(starts(tmp_path)) == 2

@@ -20,6 +20,12 @@ Its one concern is the node's place in the job's rendezvous:
   NVRx 0.4.1 fixes the interval at 5 s, so a lost node held the others' next round for 15 s. ``entrypoint.sh``'s
   ``FT_RDZV_KEEP_ALIVE_S`` sets it (``KEEP_ALIVE_ENV``).
 
+- **A stopped store host leaves at once.** A launcher leaving the rendezvous waits, where it hosts the store, until
+  every other node left too (up to 300 s), so the others need not lose the store while they leave. That is right when
+  the job ends; when this node alone is stopped (its pod preempted or ended by a permanent exit) the others are not
+  leaving, they wait for it, and its pod would hang there until killed. Stopped, it waits ``STOPPED_LINGER_S``: the
+  others join the rendezvous again at the replacement's store.
+
 Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
 """
 
@@ -45,6 +51,8 @@ ENDED_PREFIX = "ended-rank-"
 KEEP_ALIVE_ENV = "TRAINER_RDZV_KEEP_ALIVE_S"
 """Seconds between this node's keep-alives to the rendezvous (set by ``entrypoint.sh``; unset: NVRx's)."""
 POLL_S = 1.0
+STOPPED_LINGER_S = 5.0
+"""How long a store host stopped by a signal waits for the other nodes to leave the rendezvous."""
 _LOST = ("RendezvousConnectionError", "DistNetworkError")
 """The agent's store is unreachable (its host is gone); a rendezvous that timed out or was closed is not lost."""
 
@@ -146,6 +154,23 @@ def tune_keep_alive(seconds: float) -> bool:
     return True
 
 
+def brief_linger_when_stopped(agent_cls: type) -> None:
+    """``agent_cls.clean_rdzv_shutdown(close)``: with ``close`` False (the agent was stopped by a signal, or its node
+    found unhealthy: the rendezvous stays open for the others) a store host waits ``STOPPED_LINGER_S`` at most for the
+    other nodes to leave; at the job's end (``close``) as long as before."""
+    original = getattr(agent_cls, "clean_rdzv_shutdown", None)
+    if original is None:
+        log.warning("a stopped store host may wait for the other nodes: this NVRx has no clean_rdzv_shutdown")
+        return
+
+    def clean_rdzv_shutdown(self: object, close: bool) -> None:
+        if not close and hasattr(self, "_exit_barrier_timeout"):
+            self._exit_barrier_timeout = min(self._exit_barrier_timeout, STOPPED_LINGER_S)  # type: ignore[attr-defined]
+        original(self, close)
+
+    agent_cls.clean_rdzv_shutdown = clean_rdzv_shutdown  # type: ignore[attr-defined]
+
+
 def _hand_over(ending: tuple[int, int, str]) -> None:
     """Tell the entrypoint that rank R ended the job with its code, as a worker of this node would."""
     rank, code, reason = ending
@@ -174,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance import launcher as ft
 
     args = ft.parse_args(argv)
+    brief_linger_when_stopped(ft.LocalElasticAgent)
     if os.environ.get(KEEP_ALIVE_ENV):
         tune_keep_alive(float(os.environ[KEEP_ALIVE_ENV]))
     stop = threading.Event()
