@@ -17,7 +17,7 @@ def test_defaults_and_demo_are_valid(tmp_path):
     PipelineParams(image=IMAGE).validate()  # pipelines.compile --image supplies the image's default
     assert "pipelines.compile --image" in "\n".join(DEFAULTS.errors())  # no placeholder image
     params = demo_params(tmp_path / "work")
-    assert {f.kind for f in parse_faults(params["faults"])} == {"exception", "sigkill", "sigterm"}
+    assert {f.kind for f in parse_faults(params["faults"])} == {"exception", "sigkill", "node_lost", "sigterm"}
 
 
 def test_the_straggler_drill_passes_through_the_pipeline(tmp_path):

@@ -16,16 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.layout import committed_steps, step_dir_name
 from trainer.checkpoint.state import apply, flatten, local_piece, local_tensors
-
-if TYPE_CHECKING:
-    from trainer.checkpoint.manager import CheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +53,9 @@ class Candidates:
         return [step in held for held in self.held]
 
 
-def restore_newest(mgr: "CheckpointManager", state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
-    """Restore the newest step every rank can reach (collective); returns it, None when there is none. Sets
+def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
+    """Restore the newest step every rank can reach (collective) with the parts of ``mgr`` (the ``CheckpointManager``:
+    its snapshots, persistent tier and coordination group); returns the step, None when there is none. Sets
     ``mgr.restored_from`` to this rank's tier. Raises ``CheckpointError`` when checkpoints exist on disk, none
     verifies and no snapshot is left."""
     coord, snapshots = mgr.coord, mgr.snapshots
@@ -109,7 +107,7 @@ def restore_newest(mgr: "CheckpointManager", state: dict[str, Any], while_copyin
     return None
 
 
-def _from_snapshot(mgr: "CheckpointManager", state: dict[str, Any], step: int,
+def _from_snapshot(mgr: Any, state: dict[str, Any], step: int,
                    while_copying: Callable[[], None]) -> Any:
     """Copy this rank's snapshot of ``step`` in, verified while copied; '' when it verified, else why not."""
     slot = mgr.snapshots.slot_for(step)
@@ -131,7 +129,7 @@ def _from_snapshot(mgr: "CheckpointManager", state: dict[str, Any], step: int,
     return ""
 
 
-def _summarise(mgr: "CheckpointManager", step: int, tiers: list[str]) -> None:
+def _summarise(mgr: Any, step: int, tiers: list[str]) -> None:
     """Rank 0's line for the job when the ranks did not all restore from one tier: which ranks read what."""
     if mgr.rank != 0 or len(set(tiers)) == 1:
         return
