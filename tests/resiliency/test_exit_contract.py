@@ -79,8 +79,9 @@ class Job:
             time.sleep(0.2)
 
     def launcher_children(self) -> tuple[int, list[int]]:
-        """(ft_launcher's pid, its forked rank monitors: children that carry the launcher's command line)."""
-        launcher = next(p for p in _children(self.proc.pid) if b"ft_launcher" in _cmdline(p))
+        """(ft_launcher's pid, its forked rank monitors: children that carry the launcher's command line). The entrypoint
+        runs ft_launcher through ``python -m trainer.resiliency.launch``."""
+        launcher = next(p for p in _children(self.proc.pid) if b"trainer.resiliency.launch" in _cmdline(p))
         return launcher, [p for p in _children(launcher) if _cmdline(p) == _cmdline(launcher)]
 
 

@@ -265,7 +265,8 @@ def test_sigkilled_worker_is_replaced_by_the_warm_standbys(tmp_path, tiny_datase
         sockets = lambda: list(job_tmp.glob("trainer-job.*/standby/standby-*.sock"))  # noqa: E731
         _wait(lambda: len(sockets()) == 2 or job.poll() is not None, "both standbys warm", timeout=240)
         assert job.poll() is None, "the run ended before its standbys were warm: raise E2E_STEPS"
-        launcher = next(p for p in _children(job.pid) if b"ft_launcher" in Path(f"/proc/{p}/cmdline").read_bytes())
+        launcher = next(p for p in _children(job.pid)  # ft_launcher, run by python -m trainer.resiliency.launch
+                        if b"trainer.resiliency.launch" in Path(f"/proc/{p}/cmdline").read_bytes())
         own = Path(f"/proc/{launcher}/cmdline").read_bytes()  # its forked rank monitors carry it
         workers = [p for p in _children(launcher) if Path(f"/proc/{p}/cmdline").read_bytes() != own]
         victim = next(p for p in workers if _environ(p)[b"RANK"] == b"1")
