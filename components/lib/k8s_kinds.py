@@ -4,7 +4,8 @@ A `JobKind` holds, for a Kubeflow training-operator v1.9 ``PyTorchJob`` (`PYTORC
 v2.3 ``TrainJob`` (`TRAINJOB`): the API coordinates, the manifest builder and its pre-submit webhook rules,
 the success condition, which pod is rank 0, where the ``suspend`` flag Kueue sets lives, and how
 cluster-level restarts show (`RestartCounter`): a ``Restarting`` condition for a PyTorchJob, the
-``jobset.sigs.k8s.io/restart-attempt`` label of a TrainJob's pods. `job_state` and `is_suspended` read a job's
+``jobset.sigs.k8s.io/restart-attempt`` label of a TrainJob's pods plus the failure counts the Job controller puts on
+the pods it replaced alone. `job_state` and `is_suspended` read a job's
 status the same way for both.
 """
 
@@ -97,19 +98,26 @@ class RequestTimings(Protocol):
 
 
 class RestartAttemptLabels:
-    """TrainJob: the highest ``jobset.sigs.k8s.io/restart-attempt`` label on the TrainJob's pods, read each time
-    the TrainJob's status changes.
+    """TrainJob: the highest ``jobset.sigs.k8s.io/restart-attempt`` label on the TrainJob's pods, plus the pods the
+    ``node`` Job replaced alone, read each time the TrainJob's status changes.
 
     JobSet stamps each pod it creates with its restart count at the time (``status.restarts``), so the label
     is absolute, as the JobSet's count is, and a re-attaching launcher sees restarts from before it attached.
-    It needs only ``pods: list``, which a Kubeflow profile owner may grant; reading the JobSet itself would need
-    ``jobsets: get``, which Kubeflow's edit/admin roles do not give. A TrainJob's own v2.3 status (conditions,
-    ``jobsStatus``, ``trainerStatus``) has no restart count. A restart counts once its new pods exist and the
-    TrainJob's status changes again (at the latest when they become ready)."""
+    A pod that fails with a retryable code, or whose node is lost, is first replaced in its Job (the runtime's
+    ``backoffLimitPerIndex``): the replacement keeps the attempt label and carries the Job controller's count of its
+    index's failures (``batch.kubernetes.io/job-index-failure-count``, and ``-ignored-failure-count``), so each
+    replacement counts as a restart, as a PyTorchJob pod's does. Those counts start again with each JobSet attempt:
+    the counts of an attempt seen while this launcher watched are kept after it. It needs only ``pods: list``,
+    which a Kubeflow profile owner may grant; reading the JobSet itself would need ``jobsets: get``, which Kubeflow's
+    edit/admin roles do not give. A TrainJob's own v2.3 status (conditions, ``jobsStatus``, ``trainerStatus``) has
+    no restart count. A restart counts once its new pods exist and the TrainJob's status changes again (at the latest
+    when they become ready)."""
 
     def __init__(self, core: k8s.CoreV1Api, name: str, namespace: str, timings: RequestTimings) -> None:
         self._core, self._name, self._namespace, self._t = core, name, namespace, timings
-        self._count, self._seen_status = 0, None
+        self._count, self._attempt, self._seen_status = 0, 0, None
+        self._replaced: dict[tuple[str, str, str], int] = {}
+        """(restart attempt, job index, completion index) -> pods of that index replaced in its Job."""
 
     def observe(self, job: Mapping[str, Any]) -> tuple[int, str]:
         status = job.get("status")
@@ -123,8 +131,28 @@ class RestartAttemptLabels:
             else:
                 self._seen_status = status
                 attempts = [(p.metadata.labels or {}).get(trainjob.RESTART_ATTEMPT_LABEL, "0") for p in pods]
-                self._count = max([self._count] + [int(a) for a in attempts if a.isdigit()])
-        return self._count, f"JobSet {self._name} recreated its pods (restart attempt {self._count})"
+                self._attempt = max([self._attempt] + [int(a) for a in attempts if a.isdigit()])
+                for pod in pods:
+                    key, replaced = _index_replacements(pod)
+                    if key is not None:
+                        self._replaced[key] = max(self._replaced.get(key, 0), replaced)
+                self._count = max(self._count, self._attempt + sum(self._replaced.values()))
+        replaced = sum(self._replaced.values())
+        return self._count, (f"JobSet {self._name} recreated its pods (restart attempt {self._attempt})"
+                             + (f"; {replaced} pod(s) replaced alone in its Job" if replaced else ""))
+
+
+def _index_replacements(pod: Any) -> tuple[tuple[str, str, str] | None, int]:
+    """A ``node`` pod's (restart attempt, job index, completion index) and how many pods of that index its Job
+    replaced before it (the Job controller's failure-count annotations); (None, 0) for any other pod."""
+    labels, notes = pod.metadata.labels or {}, pod.metadata.annotations or {}
+    if labels.get(trainjob.REPLICATED_JOB_LABEL) != trainjob.NODE:
+        return None, 0
+    counts = [notes.get(a, "0") for a in (trainjob.INDEX_FAILURE_COUNT_ANNOTATION,
+                                          trainjob.INDEX_IGNORED_FAILURE_COUNT_ANNOTATION)]
+    key = (labels.get(trainjob.RESTART_ATTEMPT_LABEL, "0"), labels.get(trainjob.JOB_INDEX_LABEL, "0"),
+           labels.get(trainjob.COMPLETION_INDEX_LABEL) or notes.get(trainjob.COMPLETION_INDEX_LABEL, "0"))
+    return key, sum(int(c) for c in counts if c.isdigit())
 
 
 @dataclass(frozen=True)

@@ -26,28 +26,41 @@ Two resources, both built only from the ``kubeflow_trainer_api`` models (PyPI ``
   URI, the workspace directory, credentials as optional ``secretKeyRef`` env under the initializer's names:
   `MODEL_INITIALIZER_ENV`) on ``MODEL_RUNTIME_NAME``.
 
-The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend):
+The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend), JobSet v0.12 (the
+version Trainer v2.3 installs):
 
-- The ``node`` Job has ``backoffLimit: 0`` and a ``podFailurePolicy`` whose rule ``FailJob`` matches exit
-  codes 1-127 of the ``node`` container (permanent: bad config, data, a bug); the Job then fails with reason
-  ``PodFailurePolicy``. Any other failure (>= 128: killed, preempted, budget spent, unhealthy node) fails the
-  Job with ``BackoffLimitExceeded``.
-- The JobSet's ``failurePolicy`` rule ``FailJobSet`` on ``PodFailurePolicy`` ends the whole job at once: a
-  permanent code is never restarted. A model initializer that still fails after its Job's own retries
-  (``INITIALIZER_BACKOFF_LIMIT``: a wrong repo, a refused token) ends it too (rule ``ModelDownloadFailed``).
-  Every other Job failure takes JobSet's default action, ``RestartJobSet``: all pods are recreated and the
-  trainer resumes from its latest checkpoint.
+- The ``node`` Job (``completionMode: Indexed``; one Job, one pod per node) has a ``podFailurePolicy`` whose rule
+  ``FailJob`` matches exit codes 1-127 of the ``node`` container (permanent: bad config, data, a bug); the Job then
+  fails with reason ``PodFailurePolicy``, and the JobSet's ``failurePolicy`` rule ``FailJobSet`` on that reason ends
+  the whole job at once: a permanent code is never restarted.
+- Any other failure of a pod (>= 128: killed, preempted, budget spent, unhealthy node; a lost node's pod, failed
+  by PodGC) replaces THAT pod only: ``backoffLimitPerIndex`` (`NODE_REPLACEMENTS_PER_INDEX`) lets the Job controller
+  create the index again while the other pods keep running, so the job recovers in the job, as a PyTorchJob's
+  ``restartPolicy: ExitCode`` does. The new pod has the same completion index (``PET_NODE_RANK``), the same host
+  name ``<trainjob>-node-0-<i>`` in the JobSet's subdomain ``<trainjob>`` (so ``PET_MASTER_ADDR``,
+  ``<trainjob>-node-0-0.<trainjob>``, names the replacement of node 0, and each node's FQDN, its rendezvous address,
+  stays its own), the same ``jobset.sigs.k8s.io/restart-attempt`` label, and the annotation
+  ``batch.kubernetes.io/job-index-failure-count`` (its index's failures so far), from which the launcher counts it.
+  The Job controller waits 10 s, doubling per failure of the index, before it creates the replacement; with a
+  ``podFailurePolicy`` it replaces a pod only once that pod is terminal (``podReplacementPolicy: Failed``).
+- An index that fails more often (``maxFailedIndexes: 0``) fails the Job (``MaxFailedIndexesExceeded``), which
+  takes JobSet's default action, ``RestartJobSet``: every pod is recreated and the trainer resumes from its latest
+  checkpoint. A model initializer that still fails after its Job's own retries (``INITIALIZER_BACKOFF_LIMIT``: a
+  wrong repo, a refused token) ends the TrainJob (rule ``ModelDownloadFailed``).
+- Every training pod tolerates the lost-node taints for `NODE_LOST_TOLERATION_S` (`pod_tolerations`), in the
+  runtime and in each TrainJob's ``runtimePatches`` (a patch's tolerations replace the runtime's list).
 - The restart *budget* is the launcher's own (``max_cluster_restarts``, per run), as for PyTorchJob: JobSet's
-  ``maxRestarts`` lives in the shared runtime and cannot be patched per TrainJob, so it is set to the largest
-  budget the pipeline accepts (`MAX_RESTARTS`) as a server-side backstop, and the launcher counts JobSet's
-  restarts (the ``restart-attempt`` label of the pods) and deletes the TrainJob when the run's budget is spent.
+  ``maxRestarts`` and the Job's per-index limit live in the shared runtime and cannot be patched per TrainJob, so they
+  are set to the largest budget the pipeline accepts (`MAX_RESTARTS`) as server-side backstops, and the launcher
+  counts JobSet's restarts (the ``restart-attempt`` label of the pods) plus the pods replaced in the Job (their
+  failure-count annotations) and deletes the TrainJob when the run's budget is spent.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -71,6 +84,7 @@ from components.lib.pytorchjob import (
     ModelInitializer,
     TrainJobSpec,
     is_dns1035,
+    pod_tolerations,
 )
 
 GROUP = "trainer.kubeflow.org"
@@ -101,6 +115,15 @@ JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 """JobSet's restart count when it created the pod (its ``status.restarts`` then): the launcher's restart count."""
+INDEX_FAILURE_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-failure-count"
+"""The Job controller's count of the failed pods of a pod's completion index (Jobs with backoffLimitPerIndex)."""
+INDEX_IGNORED_FAILURE_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-ignored-failure-count"
+"""The same for failures a podFailurePolicy ``Ignore`` rule matched (absent when none)."""
+NODE_REPLACEMENTS_PER_INDEX = MAX_RESTARTS
+"""``backoffLimitPerIndex`` of the ``node`` Job: a backstop only, the launcher enforces ``max_cluster_restarts``."""
+INDEXED = "Indexed"
+MAX_FAILED_INDEXES_REASON = "MaxFailedIndexesExceeded"
+"""The batch/v1 Job failure reason when an index used up its backoffLimitPerIndex (maxFailedIndexes: 0)."""
 DEFAULT_PULL_POLICY = "IfNotPresent"
 DEFAULT_SHM_SIZE = "1Gi"
 
@@ -175,7 +198,9 @@ def _node_job(image: str, pvc_name: str, model_initializer: bool = False) -> m.J
         name=NODE, image=image, image_pull_policy=DEFAULT_PULL_POLICY, command=[ENTRYPOINT], env=env,
         volume_mounts=mounts)
     # FT: exit codes 1-127 fail the Job with reason PodFailurePolicy (never restarted); the JobSet rule below
-    # turns that into FailJobSet. backoffLimit 0: any other failure fails the Job, and JobSet restarts the set.
+    # turns that into FailJobSet. Any other failure: the Job controller replaces that pod alone (same index, host
+    # name and PET_NODE_RANK), up to backoffLimitPerIndex times per index; then the Job fails and JobSet restarts
+    # the set.
     failure = m.IoK8sApiBatchV1PodFailurePolicy(rules=[m.IoK8sApiBatchV1PodFailurePolicyRule(
         action=FAIL_JOB, on_exit_codes=m.IoK8sApiBatchV1PodFailurePolicyOnExitCodesRequirement(
             container_name=NODE, operator="In", values=PERMANENT_EXIT_CODES))])
@@ -183,15 +208,17 @@ def _node_job(image: str, pvc_name: str, model_initializer: bool = False) -> m.J
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(annotations=dict(POD_ANNOTATIONS),
                                                            labels={MANAGED_BY_LABEL: MANAGED_BY}),
         spec=m.IoK8sApiCoreV1PodSpec(
-            restart_policy="Never",  # podFailurePolicy requires it; restarts are JobSet's
-            containers=[container], volumes=volumes, security_context=_security_context()))
+            restart_policy="Never",  # podFailurePolicy requires it; pods are replaced by the Job, then JobSet
+            containers=[container], volumes=volumes, security_context=_security_context(),
+            tolerations=_tolerations(())))
     return m.JobsetV1alpha2ReplicatedJob(
         name=NODE, replicas=1,
         depends_on=[m.JobsetV1alpha2DependsOn(name=MODEL_INITIALIZER, status="Complete")] if model_initializer
         else None,
         template=m.IoK8sApiBatchV1JobTemplateSpec(
             metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels={ANCESTOR_LABEL: "trainer"}),
-            spec=m.IoK8sApiBatchV1JobSpec(backoff_limit=0, pod_failure_policy=failure, template=pod)))
+            spec=m.IoK8sApiBatchV1JobSpec(completion_mode=INDEXED, backoff_limit_per_index=NODE_REPLACEMENTS_PER_INDEX,
+                                          max_failed_indexes=0, pod_failure_policy=failure, template=pod)))
 
 
 def _model_initializer_job(pvc_name: str) -> m.JobsetV1alpha2ReplicatedJob:
@@ -270,9 +297,7 @@ def _resources(spec: TrainJobSpec) -> m.IoK8sApiCoreV1ResourceRequirements:
 
 
 def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
-    tolerations = [m.IoK8sApiCoreV1Toleration(
-        key=t.get("key"), operator=t.get("operator"), value=t.get("value"), effect=t.get("effect"),
-        toleration_seconds=t.get("tolerationSeconds")) for t in spec.tolerations]
+    tolerations = _tolerations(spec.tolerations)  # always: the patch's list replaces the runtime's
     volumes = _volumes(str(spec.pvc_name), spec.shm_size)
     if spec.model_initializer is not None:  # the run's PVC behind /workspace too
         volumes.append(_initializer_volume(str(spec.pvc_name)))
@@ -280,7 +305,7 @@ def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels=_labels(spec)),
         spec=m.TrainerV1alpha1PodSpecPatch(
             volumes=volumes, node_selector=dict(spec.node_selector) or None,
-            tolerations=tolerations or None, service_account_name=spec.service_account,
+            tolerations=tolerations, service_account_name=spec.service_account,
             image_pull_secrets=[m.IoK8sApiCoreV1LocalObjectReference(name=n) for n in spec.image_pull_secrets]
             or None))
     jobs = [m.TrainerV1alpha1ReplicatedJobPatch(
@@ -297,6 +322,14 @@ def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
         manager=PATCH_MANAGER, training_runtime_spec=m.TrainerV1alpha1TrainingRuntimeSpecPatch(
             template=m.TrainerV1alpha1JobSetTemplatePatch(
                 spec=m.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=jobs))))
+
+
+def _tolerations(own: Sequence[Mapping[str, Any]]) -> list[m.IoK8sApiCoreV1Toleration]:
+    """The training pods' tolerations: `own`, and the lost-node taints for NODE_LOST_TOLERATION_S
+    (`components.lib.pytorchjob.pod_tolerations`)."""
+    return [m.IoK8sApiCoreV1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
+                                       effect=t.get("effect"), toleration_seconds=t.get("tolerationSeconds"))
+            for t in pod_tolerations(own)]
 
 
 def _initializer(init: ModelInitializer, secret: str | None) -> m.TrainerV1alpha1Initializer:

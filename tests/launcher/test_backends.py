@@ -233,3 +233,42 @@ def test_trainjob_failed_by_jobsets_own_restart_limit_is_a_spent_budget() -> Non
     with StubCluster(scenario, "trainjob") as cluster:
         with pytest.raises(RestartBudgetExceededError):
             cluster.launcher().run(_spec())
+
+
+def test_trainjob_counts_pods_replaced_alone_in_its_job() -> None:
+    """The runtime's node Job replaces a pod that exits >= 128, or whose node is lost, by itself (backoffLimitPerIndex:
+    tests/deploy/test_node_replacement.py); the replacement keeps JobSet's restart-attempt label and carries the Job
+    controller's failure count of its index, so each replacement counts against max_cluster_restarts, as a PyTorchJob
+    pod's does. Counts of an earlier JobSet attempt, seen while watching, are kept after a JobSet restart."""
+    from types import SimpleNamespace
+
+    from components.lib.k8s_kinds import RestartAttemptLabels
+
+    def pod(attempt: int, index: int, failures: int | None = None, ignored: int | None = None,
+            job: str = trainjob.NODE) -> SimpleNamespace:
+        labels = {trainjob.RESTART_ATTEMPT_LABEL: str(attempt), trainjob.REPLICATED_JOB_LABEL: job,
+                  trainjob.JOB_INDEX_LABEL: "0", trainjob.COMPLETION_INDEX_LABEL: str(index)}
+        notes = {k: str(v) for k, v in ((trainjob.INDEX_FAILURE_COUNT_ANNOTATION, failures),
+                                        (trainjob.INDEX_IGNORED_FAILURE_COUNT_ANNOTATION, ignored)) if v is not None}
+        return SimpleNamespace(metadata=SimpleNamespace(labels=labels, annotations=notes or None))
+
+    listed: list[list[SimpleNamespace]] = []
+
+    class Core:
+        def list_namespaced_pod(self, namespace: str, label_selector: str, _request_timeout: float) -> SimpleNamespace:
+            assert label_selector == f"{trainjob.JOBSET_NAME_LABEL}=tj"
+            return SimpleNamespace(items=listed[-1])
+
+    counter = RestartAttemptLabels(Core(), "tj", NS, SimpleNamespace(request_timeout_s=1.0))
+    steps = [  # (pods now, expected restarts)
+        ([pod(0, 0), pod(0, 1)], 0),
+        ([pod(0, 0), pod(0, 1, failures=0), pod(0, 1, failures=1)], 1),  # node 1 replaced once (old pod still listed)
+        ([pod(0, 0), pod(0, 1, failures=2)], 2),  # again; the first two pods of index 1 are gone (PodGC)
+        ([pod(0, 0, failures=0, ignored=1), pod(0, 1, failures=2), pod(0, 0, job="model-initializer", failures=5)], 3),
+        ([pod(1, 0), pod(1, 1)], 4),  # JobSet restarted the set: attempt 1 + the 3 replacements of attempt 0
+    ]
+    for i, (pods, expected) in enumerate(steps):
+        listed.append(pods)
+        count, message = counter.observe({"status": {"n": i}})
+        assert count == expected, (i, count)
+    assert message == "JobSet tj recreated its pods (restart attempt 1); 3 pod(s) replaced alone in its Job"

@@ -16,6 +16,7 @@ from components.lib.pytorchjob import (
     build_pytorchjob,
     is_dns1035,
     job_name,
+    pod_tolerations,
     to_manifest,
     webhook_errors,
 )
@@ -107,6 +108,8 @@ def test_manifest_fields(case: str) -> None:
         assert container["command"] == ["/opt/app/trainer_image/entrypoint.sh"] and container["args"] == ARGS
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
+        # the rendezvous address: the pod's name, the same in a replacement pod (tests/deploy/test_node_replacement.py)
+        assert {"name": "FT_LOCAL_ADDR", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
         assert env["FT_MAX_RESTARTS"] == str(spec.ft_max_restarts)
         assert {k: env[k] for k in spec.env} == dict(spec.env)
         assert container.get("envFrom", []) == [{"secretRef": {"name": s}} for s in spec.secret_env_from]
@@ -120,7 +123,7 @@ def test_manifest_fields(case: str) -> None:
         else:
             assert spec.mount_path not in mounts
         assert pod.get("nodeSelector", {}) == dict(spec.node_selector)
-        assert pod.get("tolerations", []) == [dict(t) for t in spec.tolerations]
+        assert pod["tolerations"] == pod_tolerations(spec.tolerations)  # + the lost-node taints' unless given
         assert pod.get("serviceAccountName") == spec.service_account
         assert pod.get("imagePullSecrets", []) == [{"name": n} for n in spec.image_pull_secrets]
         assert pod.get("priorityClassName") == spec.priority_class
@@ -193,6 +196,7 @@ def test_schema_check_catches_wrong_types_and_unknown_fields(validator: jsonsche
     ({"gpus_per_node": 8, "nproc_per_node": 4}, "nproc_per_node must equal gpus_per_node (one rank per GPU); got 4 and 8"),
     ({"env": {"FT_MAX_RESTARTS": "9"}}, "use ft_max_restarts for FT_MAX_RESTARTS"),
     ({"env": {"PET_NNODES": "2"}}, "env 'PET_NNODES' is set by the operator"),
+    ({"env": {"FT_LOCAL_ADDR": "10.0.0.1"}}, "env 'FT_LOCAL_ADDR' is set by the operator or this module"),
     ({"memory_request": "16GB"}, "memory_request must be a Kubernetes quantity"),
     ({"tolerations": [{"key": "a", "tolerations_seconds": 3}]}, "got unknown ['tolerations_seconds']"),
     ({"args": "--config x.toml"}, "args must be a list of CLI arguments"),
@@ -248,3 +252,22 @@ def test_pods_run_as_the_images_non_root_user(case: str) -> None:
     for replica in to_manifest(build_pytorchjob(SPECS[case]))["spec"]["pytorchReplicaSpecs"].values():
         ctx = replica["template"]["spec"]["securityContext"]
         assert ctx == {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": gid, "fsGroup": gid} and uid != 0
+
+
+def test_every_pod_leaves_a_lost_node_within_a_minute_unless_the_spec_says_otherwise() -> None:
+    """Each replica tolerates node.kubernetes.io/not-ready and /unreachable (NoExecute) for 60 s, not the cluster's
+    default 300 s: a lost node's pod is evicted and the operator creates it again (restartPolicy ExitCode). A spec's
+    own toleration for one of those keys is kept as it is, and that key gets no other."""
+    from components.lib.pytorchjob import NODE_LOST_TOLERATION_S
+
+    default = to_manifest(build_pytorchjob(SPECS["gpu-4-nodes-pvc"]))["spec"]["pytorchReplicaSpecs"]
+    own = to_manifest(build_pytorchjob(SPECS["scheduling-secrets-labels"]))["spec"]["pytorchReplicaSpecs"]
+    for replicas, expected in ((default, {"node.kubernetes.io/not-ready": NODE_LOST_TOLERATION_S,
+                                          "node.kubernetes.io/unreachable": NODE_LOST_TOLERATION_S}),
+                               (own, {"node.kubernetes.io/not-ready": NODE_LOST_TOLERATION_S,
+                                      "node.kubernetes.io/unreachable": 30})):
+        assert set(replicas) == {"Master", "Worker"}
+        for replica in replicas.values():
+            noexecute = {t["key"]: t["tolerationSeconds"] for t in replica["template"]["spec"]["tolerations"]
+                         if t.get("effect") == "NoExecute"}
+            assert noexecute == expected

@@ -34,6 +34,11 @@ def test_trainjob_backend_submits_a_trainjob_with_the_runs_args(monkeypatch):
     assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "train-queue"
     assert (manifest["spec"]["trainer"]["numNodes"], manifest["spec"]["trainer"]["numProcPerNode"]) == (2, 8)
     assert "--train.device=cuda" in manifest["spec"]["trainer"]["args"]
+    # a lost node's pod leaves it in a minute and is replaced alone (tests/deploy/test_node_replacement.py)
+    (patch,) = manifest["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    lost = {t["key"]: t["tolerationSeconds"] for t in node["template"]["spec"]["template"]["spec"]["tolerations"]}
+    assert lost == {"node.kubernetes.io/not-ready": 60, "node.kubernetes.io/unreachable": 60}
 
 
 def test_trainjob_cleanup_deletes_by_the_deterministic_name():
