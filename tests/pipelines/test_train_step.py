@@ -8,7 +8,7 @@ from pipeline_fakes import write_run_files
 
 from components.lib.layout import RunLayout
 from components.lib.params import PipelineParams
-from components.lib.pytorchjob import build_pytorchjob, job_name, to_manifest, webhook_errors
+from components.lib.pytorchjob import build_pytorchjob, job_name, pod_tolerations, to_manifest, webhook_errors
 from components.lib.train_step import (
     LocalBackend, PyTorchJobBackend, TrainStepError, collect_outcome, resolve_init_from, run_train, step_attempts,
     trainer_args,
@@ -90,7 +90,7 @@ def test_pytorchjob_spec_mounts_the_pvc_and_queues(monkeypatch):
     # The GPU placement goes to every training pod (not to the launcher step: tests/pipelines/test_compile.py).
     for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
         assert replica["template"]["spec"]["nodeSelector"] == {"pool": "h100"}
-        assert replica["template"]["spec"]["tolerations"] == [gpu_taint]
+        assert replica["template"]["spec"]["tolerations"] == pod_tolerations([gpu_taint])  # + a lost node's, bounded
         assert replica["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
         assert replica["template"]["spec"]["containers"][0]["image"] == "registry.example.com/rt:1"
     assert {"name": "shared", "persistentVolumeClaim": {"claimName": "train-shared"}} in pod["spec"]["volumes"]
