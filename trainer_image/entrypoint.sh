@@ -4,8 +4,9 @@
 #   entrypoint.sh --config tiny --data.path=/data --train.run_dir=/runs/x [--section.key=value ...]
 #
 # Reads the rendezvous environment PyTorchJob injects (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
-# PET_MASTER_ADDR / MASTER_ADDR, PET_MASTER_PORT / MASTER_PORT), with local defaults (1 node, 2 workers or
-# NPROC_PER_NODE, 127.0.0.1:29500), and runs `ft_launcher ... -m trainer "$@"` (in-job restart layer) through
+# PET_MASTER_ADDR / MASTER_ADDR, PET_MASTER_PORT / MASTER_PORT; a TrainJob sets the PET_* ones only:
+# PET_MASTER_ADDR=<tj>-node-0-0.<tj>, port 29500), with local defaults (1 node, 2 workers or NPROC_PER_NODE,
+# 127.0.0.1:29500), and runs `ft_launcher ... -m trainer "$@"` (in-job restart layer) through
 # trainer/resiliency/launch.py: a node that loses the rendezvous (the node hosting its c10d store is gone) starts a
 # new launcher that joins it again, for up to FT_RDZV_REJOIN_TIMEOUT seconds, its node-local snapshots kept; and a
 # rank of another node that exits with a permanent code stops this node too, with the same code.
@@ -23,11 +24,12 @@
 #   FT_MONITOR_INTERVAL                 s between ft_launcher's checks of its workers' processes: bounds how long a
 #                                       dead worker goes unnoticed (every in-job restart waits up to it), default 0.1
 #   FT_RESTART_POLICY                   any-failed (default) or min-healthy
-#   FT_LOCAL_ADDR                       this node's address in the rendezvous (--local-addr), default its host name.
+#   FT_LOCAL_ADDR                       this node's address in the rendezvous (--local-addr), default socket.getfqdn().
 #                                       The rendezvous numbers a new round's nodes in the order of their addresses and
 #                                       then keeps each node's number, so a node keeps its ranks, and the snapshots in
 #                                       its memory stay its own, even when a lost store host starts the rendezvous
-#                                       anew. Pods have distinct host names; several nodes on one machine need one
+#                                       anew. A PyTorchJob's pods get their pod names (components/lib/pytorchjob.py),
+#                                       a TrainJob's keep their stable FQDNs; several nodes on one machine need one
 #                                       each, in node order: 127.0.0.1, 127.0.0.2, ... (the local backend's)
 #   FT_RDZV_KEEP_ALIVE_S                s between a node's keep-alives to the rendezvous; a node silent for 3 of them
 #                                       is dropped, and only then can the others' next round form: bounds how long a
@@ -239,8 +241,18 @@ if (( standby )) && mkdir "$job_tmp/standby"; then
   standby_pid=$!
 fi
 
+# Which node hosts the rendezvous's store: where MASTER_ADDR is a name, the pod whose host name it starts with (the
+# PyTorchJob's <job>-master-0, a TrainJob's <tj>-node-0-0.<tj>), said explicitly. Left to the launcher (it hosts if the
+# address resolves to this machine), a fresh or replacement pod whose own DNS record is not served yet would host nothing
+# and every node would wait; a node that cannot reach the store's host yet joins again (RENDEZVOUS_LOST). An IP address or
+# localhost (several nodes on one machine): every launcher may host, the first to bind the port does.
+is_host=""
+if ! [[ "$master_addr" =~ ^[0-9.]+$ || "$master_addr" == *:* || "$master_addr" == localhost ]]; then
+  [[ "${master_addr%%.*}" == "$(hostname)" ]] && is_host=true || is_host=false
+fi
+read -ra launch_cmd <<< "${FT_LAUNCHER:-python3 -m trainer.resiliency.launch}"  # a test's stand-in may replace it
 launcher=(
-  python3 -m trainer.resiliency.launch
+  "${launch_cmd[@]}"
   --nnodes "$nnodes"
   --nproc-per-node "$nproc"
   --node-rank "$node_rank"
@@ -248,6 +260,7 @@ launcher=(
   --rdzv-endpoint "$master_addr:$master_port"
   --rdzv-id "$rdzv_id"
   ${FT_LOCAL_ADDR:+--local-addr "$FT_LOCAL_ADDR"}
+  ${is_host:+--rdzv-conf "is_host=$is_host"}
   --max-restarts "$max_restarts"
   --term-timeout "$term_timeout"
   --workers-stop-timeout "$workers_stop_timeout"
