@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testlib import REPO, VENV_BIN, free_port, read_jsonl
+from trainer.checkpoint import reaper
 
 ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
 
@@ -125,6 +126,8 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
         node.proc.wait()
         node.lost = True
+        for job in node.memory.glob("*"):  # the pod's memory goes too: the semaphores its processes recorded
+            reaper.reap(job, files=True, node_gone=True)
         shutil.rmtree(node.memory, ignore_errors=True)
 
     def steps(self) -> list[int]:

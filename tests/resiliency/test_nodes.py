@@ -5,10 +5,11 @@ fault-free run of the same ranks.
 One run takes a fault of every kind in turn, so the suite pays for one start: an exception and a GIL-free hang
 (in-process), a SIGKILL (in-job), a worker stopped with SIGSTOP (a hung node: its heartbeats stop, the in-job layer
 restarts every node), the ``node_lost`` fault (a node and its memory gone; the harness starts the replacement pod),
-and the loss of the node hosting the rendezvous's store at a step drawn at random (the other node joins the
-rendezvous again). Two more runs: a preemption (SIGTERM to every pod, then both relaunched) and a permanent error on
-one node (every node stops after one attempt with its code). The steps of the faults injected from outside are
-drawn anew each run; the seed is in every failure's message.
+the loss of the node hosting the rendezvous's store (the other node joins the rendezvous again), and a preemption
+(SIGTERM to every pod: both exit 202, then both are started again and resume: the cluster layer). One more run: a
+permanent error on one node (every node stops after one attempt with its code). The steps of the faults injected from
+outside are drawn anew each run; the seed is in every failure's message. Nothing of a run is left in node memory
+(``/dev/shm``): a lost node's is removed with it, as its pod's would be.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from trainer.exitcodes import ExitCode
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
-STEPS = 30
+STEPS = 34
 # One thread per worker: the reference runs both ranks on one node, where the default would give each half the cores
 # (and so other sums in the matmuls) than a node of one worker does.
 ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
@@ -41,7 +42,9 @@ STOPPED_AT = DRAW.randint(13, 15)
 """The step at which a worker is stopped (SIGSTOP): a hung node."""
 HOST_LOST_AT = DRAW.randint(23, 26)
 """The step at which the node hosting the rendezvous's store is lost."""
-WHY = f"(seed {SEED}: SIGSTOP at step {STOPPED_AT}, store host lost at step {HOST_LOST_AT})"
+PREEMPTED_AT = DRAW.randint(29, 31)
+"""The step at which every pod gets SIGTERM."""
+WHY = f"(seed {SEED}: SIGSTOP at step {STOPPED_AT}, store host lost at step {HOST_LOST_AT}, SIGTERM at {PREEMPTED_AT})"
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +78,19 @@ def _wait_for_step(cluster: Cluster, step: int, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+def _until_every_node_ends(cluster: Cluster, timeout: float = 180) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while any(n.proc.poll() is None for n in cluster.nodes if not n.lost):
+        _replace_lost(cluster, deadline)
+        assert time.monotonic() < deadline, f"not finished {WHY}:\n{cluster.tail()}"
+        time.sleep(0.1)
+    return cluster.wait()
+
+
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory, tiny_dataset):
     base = tmp_path_factory.mktemp("layered")
+    shm_before = set(os.listdir("/dev/shm"))
     with Cluster(base, tiny_dataset, 2, 1, [*ARGS, f"--resiliency.faults={FAULTS}"], env=ENV) as cluster:
         cluster.start_all()
         _wait_for_step(cluster, STOPPED_AT)
@@ -88,15 +101,21 @@ def layered(tmp_path_factory, tiny_dataset):
         _wait_for_step(cluster, HOST_LOST_AT, timeout=180)
         host = next(n for n in reversed(cluster.nodes) if not n.lost and "hosts the TCP store" in n.output())
         lost_at = time.time()
+        survivor = next(n for n in reversed(cluster.nodes) if not n.lost and n is not host)
         cluster.lose(host)
         cluster.start(host.rank)
-        deadline = time.monotonic() + 180
-        while any(n.proc.poll() is None for n in cluster.nodes if not n.lost):
-            _replace_lost(cluster, deadline)
-            assert time.monotonic() < deadline, f"not finished {WHY}:\n{cluster.tail()}"
-            time.sleep(0.1)
-        codes = cluster.wait()
-        yield {"cluster": cluster, "codes": codes, "stopped_at": stopped_at, "lost_at": lost_at, "host": host}
+        _wait_for_step(cluster, PREEMPTED_AT)
+        for node in cluster.nodes:
+            if node.proc.poll() is None:
+                os.kill(node.proc.pid, signal.SIGTERM)  # the kubelet's SIGTERM to every pod's PID 1
+        preempted_codes = _until_every_node_ends(cluster, timeout=60)
+        for node in [n for n in cluster.nodes if not n.lost]:  # the cluster layer: every pod started again
+            node.lost = True
+            cluster.start(node.rank)
+        codes = _until_every_node_ends(cluster)
+        yield {"cluster": cluster, "codes": codes, "stopped_at": stopped_at, "lost_at": lost_at, "host": host,
+               "survivor": survivor,
+               "preempted_codes": preempted_codes, "shm_left": set(os.listdir("/dev/shm")) - shm_before}
 
 
 def _recovered(run, **match):
@@ -109,6 +128,7 @@ def _recovered(run, **match):
 def test_every_node_finishes_bit_identical_to_the_fault_free_run(layered, reference):
     assert set(layered["codes"].values()) == {0}, f"{layered['codes']} {WHY}\n{layered['cluster'].tail()}"
     assert_same_weights(layered["cluster"].run_dir, reference)
+    assert not layered["shm_left"], f"left in /dev/shm: {sorted(layered['shm_left'])} {WHY}"
 
 
 def test_exception_and_hang_are_recovered_in_process_across_nodes(layered):
@@ -160,28 +180,18 @@ def test_losing_the_node_that_hosts_the_rendezvous_is_recovered_in_the_job(layer
     after = [r for r in events(layered["cluster"].run_dir, "recovered") if r["time"] > layered["lost_at"]]
     assert after and after[0]["layer"] == "node", f"{after} {WHY}"
     host_rank = layered["host"].rank  # node rank = its ranks (FT_LOCAL_ADDR keeps the order)
-    survivor = next(n for n in layered["cluster"].nodes if n.rank != host_rank and not n.lost)
     _assert_tiers(after[0], host_rank)
-    assert "joins it again" in survivor.output(), "the survivor's launcher lost the store and joined again"
+    assert "joins it again" in layered["survivor"].output(), "the survivor's launcher lost the store and joined again"
 
 
-def test_preemption_of_every_pod_commits_and_a_relaunch_resumes(tmp_path, tiny_dataset, reference):
-    stop_at = DRAW.randint(5, 20)
-    with Cluster(tmp_path, tiny_dataset, 2, 1, ARGS, env=ENV) as cluster:
-        cluster.start_all()
-        _wait_for_step(cluster, stop_at)
-        for node in cluster.nodes:
-            os.kill(node.proc.pid, signal.SIGTERM)  # the kubelet's SIGTERM to every pod's PID 1
-        codes = cluster.wait(timeout=60)
-        assert set(codes.values()) == {ExitCode.PREEMPTED}, f"{codes} (SIGTERM at step {stop_at})\n{cluster.tail()}"
-        (preempted,) = events(tmp_path / "run", "preempted")
-        cluster.nodes.clear()
-        cluster.start_all()
-        codes = cluster.wait(timeout=120)
-        assert set(codes.values()) == {0}, f"{codes}\n{cluster.tail()}"
-    restarts = [r for r in events(tmp_path / "run", "restart") if r["rank"] == 0]
-    assert [(r["layer"], r["resumed_step"]) for r in restarts] == [("cluster", preempted["step"])], restarts
-    assert_same_weights(tmp_path / "run", reference)
+def test_preemption_of_every_pod_commits_and_every_pod_started_again_resumes(layered):
+    assert set(layered["preempted_codes"].values()) == {ExitCode.PREEMPTED}, f"{layered['preempted_codes']} {WHY}"
+    run_dir = layered["cluster"].run_dir
+    (preempted,) = events(run_dir, "preempted")
+    assert (run_dir / "checkpoints" / f"step-{preempted['step']:08d}" / "manifest.json").exists()
+    (resumed,) = _recovered(layered, layer="cluster")
+    assert resumed["fault_kind"] == "preemption" and resumed["steps_redone"] == 0, resumed
+    assert resumed["step"] == preempted["step"] + 1 and resumed["tiers"] == {"disk": [0, 1]}, resumed
 
 
 def test_a_permanent_error_on_one_node_stops_every_node_with_its_code(tmp_path, tiny_dataset):

@@ -153,10 +153,12 @@ class FaultInjector:
     def _node_lost(self, spec: FaultSpec) -> None:
         import shutil
 
+        from trainer.checkpoint import reaper
         from trainer.checkpoint.slots import SNAPSHOT_DIR_ENV
 
         memory = os.environ.get(SNAPSHOT_DIR_ENV)
-        if memory:
+        if memory:  # the pod's memory: its snapshots and the semaphores its processes recorded there
+            reaper.reap(Path(memory), files=True, node_gone=True)
             shutil.rmtree(memory, ignore_errors=True)
         root = int(os.environ.get(ENTRYPOINT_PID_ENV) or os.getppid())
         for handler in logging.getLogger().handlers:

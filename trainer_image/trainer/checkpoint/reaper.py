@@ -119,15 +119,17 @@ def forget_own() -> None:
     _record.remove()
 
 
-def reap(directory: Path, files: bool) -> list[str]:
+def reap(directory: Path, files: bool, node_gone: bool = False) -> list[str]:
     """Remove what the job's dead processes recorded in ``directory``: their semaphores and shared memory, and with
-    ``files`` (the job is over) their ranks' snapshot files unless a live process holds that rank now. Returns the
-    names removed."""
+    ``files`` (the job is over) their ranks' snapshot files unless a live process holds that rank now. ``node_gone``:
+    the node goes with every process on it (a drill of a lost node: its pod's memory goes too), so live owners'
+    entries are removed as well. Returns the names removed."""
     removed: list[str] = []
     owners = _owners(directory)
-    live_ranks = {rank for pid, (rank, _) in owners.items() if alive(pid)}
+    live = {pid for pid in owners if alive(pid) and not node_gone}
+    live_ranks = {rank for pid, (rank, _) in owners.items() if pid in live}
     for pid, (rank, names) in owners.items():
-        if alive(pid):
+        if pid in live:
             continue
         for rtype, name in names:
             target = SHM_ROOT / (("sem." if rtype == "semaphore" else "") + name.lstrip("/"))
