@@ -134,9 +134,12 @@ def tune_keep_alive(seconds: float) -> bool:
     """Every rendezvous handler made from now on sends its keep-alive every ``seconds`` (NVRx 0.4.1 fixes 5 s in
     ``FtRendezvousHandler.from_backend``; a node missing 3 is dropped). False, logged, where the handler differs."""
     import datetime
+    import importlib
 
-    from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rdzv
-
+    try:  # NVRx 0.4's c10d rendezvous handler (0.6 on: a barrier-based one, with its own settings)
+        rdzv = importlib.import_module("nvidia_resiliency_ext.fault_tolerance._ft_rendezvous")
+    except ImportError:
+        rdzv = None
     handler_cls = getattr(rdzv, "FtRendezvousHandler", None)
     original = getattr(handler_cls, "from_backend", None)
     if original is None:
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvidia_resiliency_ext.fault_tolerance import launcher as ft
 
     args = ft.parse_args(argv)
-    brief_linger_when_stopped(ft.LocalElasticAgent)
+    brief_linger_when_stopped(getattr(ft, "LocalElasticAgent", object))
     if os.environ.get(KEEP_ALIVE_ENV):
         tune_keep_alive(float(os.environ[KEEP_ALIVE_ENV]))
     stop = threading.Event()
