@@ -30,7 +30,8 @@ def test_pipeline_recovers_at_every_layer(tmp_path, capfd, monkeypatch):
     lines = terminal.splitlines()
     assert len(lines) <= MAX_TERMINAL_LINES, terminal
     assert "executor_input" not in terminal and '"parameterValues"' not in terminal
-    for needle in ("[train] step", "injecting fault exception", "injecting fault sigkill", "injecting fault sigterm",
+    for needle in ("[train] step", "injecting fault exception", "injecting fault sigkill", "injecting fault node_lost",
+                   "starting it again, as a replacement pod", "injecting fault sigterm",
                    "finished with status FAILURE", f"demo run {layout.run_id} finished", "goodput"):
         assert needle in terminal, needle
     (log,) = (tmp_path / "logs").glob("demo-*.log")
@@ -40,14 +41,14 @@ def test_pipeline_recovers_at_every_layer(tmp_path, capfd, monkeypatch):
 
     ledger, _ = read_jsonl(layout.run_dir / "recovery.jsonl")
     restarts = summarize_ledger(ledger)["restarts"]
-    assert restarts["inprocess"] >= 1 and restarts["injob"] >= 1 and restarts["cluster"] >= 1, restarts
+    assert min(restarts.values()) >= 1, restarts  # every layer: in-process, in-job, node (two nodes), cluster
     attempts = [r for r in read_jsonl(layout.launcher_dir / "attempts.jsonl")[0] if r["event"] == "end"]
     assert [a["ok"] for a in attempts] == [False, True], "the sigterm attempt fails, the retry resumes and succeeds"
 
     outputs = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "kfp").rglob("executor_output.json")}
     train_metrics = outputs["train"]["artifacts"]["metrics"]["artifacts"][0]["metadata"]
     assert train_metrics["steps"] == params["steps"]
-    assert {"tokens", "final_loss", "restarts_inprocess", "restarts_injob", "restarts_cluster", "goodput",
+    assert {"tokens", "final_loss", "restarts_inprocess", "restarts_injob", "restarts_node", "restarts_cluster", "goodput",
             "step_attempts"} <= set(train_metrics)
     model_meta = outputs["train"]["artifacts"]["checkpoint"]["artifacts"][0]["metadata"]
     assert model_meta["checkpoint_dir"] == str(layout.checkpoint_dir) and model_meta["step"] == params["steps"]
