@@ -25,13 +25,15 @@ suspend flag is, how restarts show).
   pods present now, so it cannot count restarts. When the count exceeds ``spec.max_cluster_restarts``
   the job is deleted and `RestartBudgetExceededError` raised. Restarts that happened before the
   launcher attached and are no longer visible are not counted.
-- **restart budget** (TrainJob): the runtime's JobSet failure policy restarts the whole set for exit codes
-  >= 128 and fails it for 1-127 (`components.lib.trainjob`). JobSet's ``maxRestarts`` sits in the shared
-  runtime, so the per-run budget is the launcher's own, as for PyTorchJob: it reads the restart attempt JobSet
-  stamps on the pods (``jobset.sigs.k8s.io/restart-attempt``, an absolute count, so restarts before the
-  launcher attached count too) each time the TrainJob's status changes, and deletes the TrainJob when it
-  exceeds ``spec.max_cluster_restarts``. A
-  TrainJob failed by JobSet's own backstop (reason ``ReachedMaxRestarts``) raises the same error.
+- **restart budget** (TrainJob): the runtime's ``node`` Job replaces a pod that exited >= 128, or whose node was
+  lost, on its own (``backoffLimitPerIndex``: the other pods go on, as a PyTorchJob's do), fails the TrainJob for
+  1-127, and JobSet restarts the whole set only after an index spent its replacements (`components.lib.trainjob`).
+  JobSet's ``maxRestarts`` sits in the shared runtime, so the per-run budget is the launcher's own, as for
+  PyTorchJob: it reads what the pods carry each time the TrainJob's status changes, the restart attempt JobSet
+  stamps (``jobset.sigs.k8s.io/restart-attempt``) and the Job controller's per-index failure count, absolute counts
+  (restarts before the launcher attached count too), and deletes the TrainJob when their sum exceeds
+  ``spec.max_cluster_restarts``. A TrainJob failed by JobSet's own backstop (reason ``ReachedMaxRestarts``) raises
+  the same error.
 - **the step fails when the job fails**: ``Failed`` raises `JobFailedError` with the condition's
   reason and message, the trainer's exit code (the rank-0 container's, else any failed training
   container's) and the tail of the rank-0 log.

@@ -209,10 +209,11 @@ def manifest_for(spec: TrainJobSpec, backend: str) -> dict[str, Any]:
 
 
 def jobset_action(runtime: dict[str, Any], exit_code: int) -> str:
-    """What the runtime's failure policy does when the ``node`` container exits with `exit_code` != 0:
-    the Job's podFailurePolicy (first matching rule; FailJob fails the Job with reason PodFailurePolicy, else
-    backoffLimit 0 fails it with BackoffLimitExceeded), then the JobSet's failurePolicy rules (first rule whose
-    onJobFailureReasons holds the reason; none: RestartJobSet)."""
+    """What the runtime's failure policy does once the ``node`` Job has failed after the container exited with
+    `exit_code` != 0: the Job's podFailurePolicy (first matching rule; FailJob fails the Job with reason
+    PodFailurePolicy, else the index's spent replacements fail it: the stub skips the per-index replacements the
+    real Job controller makes first, tests/deploy/test_node_replacement.py models those), then the JobSet's
+    failurePolicy rules (first rule whose onJobFailureReasons holds the reason; none: RestartJobSet)."""
     jobset = runtime["spec"]["template"]["spec"]
     (node,) = [j for j in jobset["replicatedJobs"] if j["name"] == trainjob.NODE]
     reason = "BackoffLimitExceeded"
