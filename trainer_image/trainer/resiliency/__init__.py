@@ -13,7 +13,8 @@ under plain ``torchrun``, under ``ft_launcher`` (``entrypoint.sh``), with or wit
    timeout. ``FaultCounter`` + node health checks decide whether a rank may restart; beyond
    ``inprocess_max_restarts`` the process exits RESTART_BUDGET_EXHAUSTED.
    Stores: the Wrapper's store and the training ``base_store`` share one TCPStore on ``MASTER_PORT``, under a
-   per-attempt key prefix. Under torchrun the agent serves it (no rank is critical, so the hard timeout killing
+   key prefix per in-job attempt where the store outlives one (torchrun's agent's store), a fixed one where each
+   rendezvous round has a new store (the launchers' restart counts differ across nodes). Under torchrun the agent serves it (no rank is critical, so the hard timeout killing
    rank 0 does not take the job down; it outlives in-job restarts). Under ft_launcher (its c10d rendezvous does
    not share the agent's store) and without a launcher, rank 0 serves it, as ``env://`` would: never on ports
    next to ``MASTER_PORT``, which nobody reserved (a port taken there made NVRx's store fall back to a client of
@@ -412,7 +413,8 @@ def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store
 
     class JobStore(dist.PrefixStore, StoreMixin):
         """The Wrapper's store: a client of the job's store (its own connection: NVRx's monitor process makes one
-        too), keys prefixed per in-job attempt. Rank 0 is critical where it serves the store."""
+        too), keys prefixed per in-job attempt where the store outlives one (the agent's). Rank 0 is critical where
+        it serves the store."""
 
         def __init__(self, port: int, prefix: str) -> None:
             super().__init__(prefix, dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True))

@@ -15,11 +15,9 @@ Its one concern is the node's place in the job's rendezvous:
   never joins again. This watches the ledger for such an exit recorded since the node's entrypoint started and
   hands it to the entrypoint as the exit of that rank (``ended-rank-<R>`` in ``TRAINER_EXIT_CODE_DIR``, then
   SIGUSR1, as a worker of its own would), which stops the launcher and exits with the same code.
-
 - **A lost node is noticed sooner.** The rendezvous drops a node whose keep-alive it has not heard for 3 intervals;
   NVRx 0.4.1 fixes the interval at 5 s, so a lost node held the others' next round for 15 s. ``entrypoint.sh``'s
   ``FT_RDZV_KEEP_ALIVE_S`` sets it (``KEEP_ALIVE_ENV``).
-
 - **A stopped store host leaves at once.** A launcher leaving the rendezvous waits, where it hosts the store, until
   every other node left too (up to 300 s), so the others need not lose the store while they leave. That is right when
   the job ends; when this node alone is stopped (its pod preempted or ended by a permanent exit) the others are not
