@@ -46,22 +46,6 @@ def _step_after(cluster: Cluster, moment: float) -> dict | None:
     return later[0] if later else None
 
 
-def _wait(cluster: Cluster, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(s >= step for s in cluster.steps()):
-        _replace(cluster)
-        if time.monotonic() > deadline:
-            raise SystemExit(f"step {step} not reached:\n{cluster.tail()}")
-        time.sleep(0.05)
-
-
-def _replace(cluster: Cluster) -> None:
-    for node in list(cluster.nodes):
-        if not node.lost and node.proc.poll() is not None and node.proc.returncode < 0:
-            node.lost = True
-            cluster.start(node.rank)
-
-
 def one_run(dataset: Path, base: Path, steps: int, seed: int) -> None:
     draw = random.Random(seed)
     cut = steps // 5
@@ -74,18 +58,15 @@ def one_run(dataset: Path, base: Path, steps: int, seed: int) -> None:
     began = time.time()
     with Cluster(base, dataset, 2, 1, args, env=ENV) as cluster:
         cluster.start_all()
-        _wait(cluster, stop)
+        cluster.wait_for_step(stop, timeout=300)
         os.kill(next(n for n in reversed(cluster.nodes) if not n.lost and n.rank == 1).workers()[0], signal.SIGSTOP)
         outside.append(("sigstop", time.time(), cluster.steps()[-1]))
-        _wait(cluster, host)
+        cluster.wait_for_step(host, timeout=300)
         victim = next(n for n in reversed(cluster.nodes) if not n.lost and "hosts the TCP store" in n.output())
         outside.append(("store_host_lost", time.time(), cluster.steps()[-1]))
         cluster.lose(victim)
         cluster.start(victim.rank)
-        while any(n.proc.poll() is None for n in cluster.nodes if not n.lost):
-            _replace(cluster)
-            time.sleep(0.1)
-        codes = cluster.wait()
+        codes = cluster.run_to_end(timeout=300)
         wall = time.time() - began
         ledger = read(cluster.run_dir / "recovery.jsonl")
         for r in ledger:

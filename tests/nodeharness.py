@@ -21,6 +21,7 @@ from pathlib import Path
 
 from testlib import REPO, VENV_BIN, free_port, read_jsonl
 from trainer.checkpoint import reaper
+from trainer.faults import process_tree
 
 ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
 
@@ -43,26 +44,16 @@ class Node:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def processes(self) -> list[int]:
-        """Every live process of this node: its entrypoint's session and everything below it (ft_launcher starts
-        each worker in a session of its own)."""
-        table = {}
+        """Every live process of this node: its entrypoint's session and everything below the entrypoint
+        (ft_launcher starts each worker in a session of its own)."""
+        session = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if stat[0] != "Z":
-                table[int(entry)] = (int(stat[1]), int(stat[3]))  # parent, session
-        found = {pid for pid, (_, session) in table.items() if session == self.proc.pid}
-        todo = list(found)
-        while todo:
-            parent = todo.pop()
-            children = [pid for pid, (ppid, _) in table.items() if ppid == parent and pid not in found]
-            found.update(children)
-            todo += children
-        return sorted(found)
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                    if int(stat[3]) == self.proc.pid and stat[0] != "Z":
+                        session.append(int(entry))
+        return sorted(set(session) | set(process_tree(self.proc.pid)))
 
     def workers(self) -> list[int]:
         """The node's training workers (``python -m trainer``, not the launcher nor a helper)."""
@@ -136,15 +127,31 @@ class Cluster:
             return []
         return [r["step"] for r in read_jsonl(path) if r.get("event") == "step"]
 
+    def replace_lost(self) -> None:
+        """The cluster's part: a node whose entrypoint died by a signal (its pod lost) is started again."""
+        for node in list(self.nodes):
+            if not node.lost and node.proc.poll() is not None and node.proc.returncode < 0:
+                node.lost = True
+                self.start(node.rank)
+
     def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        """Until a step record reaches ``step``, lost nodes replaced meanwhile."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(s >= step for s in self.steps()):
-                return
+        while not any(s >= step for s in self.steps()):
+            self.replace_lost()
             if all(n.proc.poll() is not None for n in self.nodes if not n.lost):
                 raise AssertionError(f"every node ended before step {step}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.tail()}")
             time.sleep(0.05)
-        raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.tail()}")
+
+    def run_to_end(self, timeout: float = 240) -> dict[str, int]:
+        """Until every node still running ends, lost nodes replaced meanwhile; their exit codes by name."""
+        deadline = time.monotonic() + timeout
+        while any(n.proc.poll() is None for n in self.nodes if not n.lost) and time.monotonic() < deadline:
+            self.replace_lost()
+            time.sleep(0.1)
+        return self.wait(timeout=max(1.0, deadline - time.monotonic()))
 
     def wait(self, timeout: float = 240) -> dict[str, int]:
         """Every node still running ends; their exit codes by name. At ``timeout`` every node's session gets SIGABRT

@@ -293,6 +293,7 @@ class _Run:
         self.incarnations: dict[int, int] = {}
         self.readers: list[threading.Thread] = []
         self.replaced = 0
+        self.log_file: TextIO | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix=f"train-launch-{number}."))
         self.memory = _node_memory_base(spec.args, self.marker) if spec.nodes > 1 else None
 

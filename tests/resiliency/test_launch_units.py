@@ -17,16 +17,10 @@ def test_a_lost_store_connection_is_a_lost_rendezvous_and_a_timeout_is_not():
     class RendezvousTimeoutError(Exception):
         pass
 
-    try:
-        try:
-            raise ConnectionResetError("peer gone")
-        except ConnectionResetError as exc:
-            raise RendezvousConnectionError("The connection to the C10d store has failed") from exc
-    except RendezvousConnectionError as lost:
-        assert launch.rendezvous_lost(RuntimeError("agent failed").with_traceback(None)) is False
-        wrapped = RuntimeError("agent run failed")
-        wrapped.__cause__ = lost
-        assert launch.rendezvous_lost(wrapped)
+    wrapped = RuntimeError("agent run failed")  # the agent's error, raised from the store's
+    wrapped.__cause__ = RendezvousConnectionError("The connection to the C10d store has failed")
+    assert launch.rendezvous_lost(wrapped)
+    assert not launch.rendezvous_lost(RuntimeError("agent run failed"))
     assert not launch.rendezvous_lost(RendezvousTimeoutError("no quorum in 600 s"))
 
 

@@ -7,8 +7,8 @@ One run takes a fault of every kind in turn, so the suite pays for one start: an
 restarts every node), the ``node_lost`` fault (a node and its memory gone; the harness starts the replacement pod),
 the loss of the node hosting the rendezvous's store (the other node joins the rendezvous again), and a preemption
 (SIGTERM to every pod: both exit 202, then both are started again and resume: the cluster layer). One more run: a
-permanent error on one node (every node stops after one attempt with its code). The steps of the faults injected from
-outside are drawn anew each run; the seed is in every failure's message. Nothing of a run is left in node memory
+permanent error on one node (every node stops after one attempt with its code). Every fault's step is drawn anew each
+run, so each lands at one distance or another from a snapshot; the seed is in every failure's message. Nothing of a run is left in node memory
 (``/dev/shm``): a lost node's is removed with it, as its pod's would be.
 """
 
@@ -37,14 +37,21 @@ ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6"}
 SEED = int.from_bytes(os.urandom(4), "little")
 DRAW = random.Random(SEED)
-FAULTS = "1:4:exception,0:7:sigkill,1:10:hang,0:19:node_lost"
+EXCEPTION_AT, KILLED_AT, HANG_AT, NODE_LOST_AT = (DRAW.randint(3, 5), DRAW.randint(6, 8), DRAW.randint(9, 11),
+                                                  DRAW.randint(18, 20))
+"""The injected faults' steps: each lands 0 or 1 steps after a snapshot (every 2 steps), as drawn."""
+FAULTS = f"1:{EXCEPTION_AT}:exception,0:{KILLED_AT}:sigkill,1:{HANG_AT}:hang,0:{NODE_LOST_AT}:node_lost"
+REDONE_MAX = 2 + 2
+"""Steps redone after a fault at most: an interval, and one more when the fault beat the newest snapshot's node-local
+publication or a new process's first snapshot waited for its slot (both fall back to the snapshot before)."""
 STOPPED_AT = DRAW.randint(13, 15)
 """The step at which a worker is stopped (SIGSTOP): a hung node."""
 HOST_LOST_AT = DRAW.randint(23, 26)
 """The step at which the node hosting the rendezvous's store is lost."""
 PREEMPTED_AT = DRAW.randint(29, 31)
 """The step at which every pod gets SIGTERM."""
-WHY = f"(seed {SEED}: SIGSTOP at step {STOPPED_AT}, store host lost at step {HOST_LOST_AT}, SIGTERM at {PREEMPTED_AT})"
+WHY = f"(seed {SEED}: faults {FAULTS}, SIGSTOP at step {STOPPED_AT}, store host lost at step {HOST_LOST_AT}, " \
+      f"SIGTERM at {PREEMPTED_AT})"
 
 
 @pytest.fixture(scope="module")
@@ -62,57 +69,32 @@ def assert_same_weights(run_dir, reference):
         assert torch.equal(weights[key], reference[key]), f"{key} differs from the fault-free run {WHY}"
 
 
-def _replace_lost(cluster: Cluster, until: float) -> None:
-    """The cluster's part: a pod whose node was lost (its entrypoint killed) is started again."""
-    for node in list(cluster.nodes):
-        if not node.lost and node.proc.poll() is not None and node.proc.returncode < 0:
-            node.lost = True
-            cluster.start(node.rank)
-
-
-def _wait_for_step(cluster: Cluster, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(s >= step for s in cluster.steps()):
-        _replace_lost(cluster, deadline)
-        assert time.monotonic() < deadline, f"step {step} not reached {WHY}:\n{cluster.tail()}"
-        time.sleep(0.05)
-
-
-def _until_every_node_ends(cluster: Cluster, timeout: float = 180) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while any(n.proc.poll() is None for n in cluster.nodes if not n.lost):
-        _replace_lost(cluster, deadline)
-        assert time.monotonic() < deadline, f"not finished {WHY}:\n{cluster.tail()}"
-        time.sleep(0.1)
-    return cluster.wait()
-
-
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory, tiny_dataset):
     base = tmp_path_factory.mktemp("layered")
     shm_before = set(os.listdir("/dev/shm"))
     with Cluster(base, tiny_dataset, 2, 1, [*ARGS, f"--resiliency.faults={FAULTS}"], env=ENV) as cluster:
         cluster.start_all()
-        _wait_for_step(cluster, STOPPED_AT)
+        cluster.wait_for_step(STOPPED_AT)
         stopped = cluster.nodes[1].workers()
         assert stopped, cluster.tail()
         os.kill(stopped[0], signal.SIGSTOP)
         stopped_at = time.time()
-        _wait_for_step(cluster, HOST_LOST_AT, timeout=180)
+        cluster.wait_for_step(HOST_LOST_AT, timeout=180)
         host = next(n for n in reversed(cluster.nodes) if not n.lost and "hosts the TCP store" in n.output())
         lost_at = time.time()
         survivor = next(n for n in reversed(cluster.nodes) if not n.lost and n is not host)
         cluster.lose(host)
         cluster.start(host.rank)
-        _wait_for_step(cluster, PREEMPTED_AT)
+        cluster.wait_for_step(PREEMPTED_AT)
         for node in cluster.nodes:
             if node.proc.poll() is None:
                 os.kill(node.proc.pid, signal.SIGTERM)  # the kubelet's SIGTERM to every pod's PID 1
-        preempted_codes = _until_every_node_ends(cluster, timeout=60)
+        preempted_codes = cluster.run_to_end(timeout=60)
         for node in [n for n in cluster.nodes if not n.lost]:  # the cluster layer: every pod started again
             node.lost = True
             cluster.start(node.rank)
-        codes = _until_every_node_ends(cluster)
+        codes = cluster.run_to_end(timeout=180)
         yield {"cluster": cluster, "codes": codes, "stopped_at": stopped_at, "lost_at": lost_at, "host": host,
                "survivor": survivor,
                "preempted_codes": preempted_codes, "shm_left": set(os.listdir("/dev/shm")) - shm_before}
@@ -135,14 +117,14 @@ def test_exception_and_hang_are_recovered_in_process_across_nodes(layered):
     (exception,) = _recovered(layered, fault_kind="exception")
     (hang,) = _recovered(layered, fault_kind="hang")
     for r in (exception, hang):
-        assert r["layer"] == "inprocess" and r["tiers"] == {"memory": [0, 1]}, r
-        assert r["steps_redone"] <= 2, r
+        assert r["layer"] == "inprocess" and r["tiers"] == {"memory": [0, 1]}, f"{r} {WHY}"
+        assert r["steps_redone"] <= REDONE_MAX, f"{r} {WHY}"
 
 
 def test_a_killed_worker_restarts_every_node_in_job_from_node_memory(layered):
     (killed,) = _recovered(layered, fault_kind="sigkill")
-    assert killed["layer"] == "injob" and killed["tiers"] == {"node-local": [0, 1]}, killed
-    assert killed["steps_redone"] <= 2, killed
+    assert killed["layer"] == "injob" and killed["tiers"] == {"node-local": [0, 1]}, f"{killed} {WHY}"
+    assert killed["steps_redone"] <= REDONE_MAX, f"{killed} {WHY}"
 
 
 def test_a_hung_node_is_restarted_in_job_on_every_node(layered):

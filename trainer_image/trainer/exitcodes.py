@@ -102,7 +102,7 @@ def classify(exc: BaseException) -> ExitCode:
     monitor or launcher IPC gone (NVRx ``RankMonitorClientError``) -> LAUNCHER_LOST; a collective or store
     failure caused by a lost peer -> RANKS_LOST.
     """
-    chain = _cause_chain(exc)
+    chain = cause_chain(exc)
     for link in chain:
         if isinstance(link, TrainerExit):
             return link.exit_code
@@ -131,7 +131,8 @@ _BY_CLASS_NAME: tuple[tuple[str, ExitCode], ...] = (
 _PEER_LOST_MARKERS = ("/gloo/", "NCCL", "Connection reset by peer", "Connection closed by peer")
 
 
-def _cause_chain(exc: BaseException) -> list[BaseException]:
+def cause_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or during (``__cause__``, ``__context__``), each once."""
     chain: list[BaseException] = []
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]

@@ -72,10 +72,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.exitcodes import EXIT_CODE_DIR_ENV
+
 LEDGER_FILE = "recovery.jsonl"
 METRICS_FILE = "metrics.jsonl"
 LAYERS = ("inprocess", "injob", "node", "cluster")
-EXIT_CODE_DIR_ENV = "TRAINER_EXIT_CODE_DIR"  # exitcodes' name: the pod's own directory (entrypoint.sh)
 NOT_CRASHES = ("corrupt_checkpoint", "slow")
 """Injected fault kinds that do not end the process: never the cause of a restart."""
 

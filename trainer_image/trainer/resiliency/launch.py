@@ -37,7 +37,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trainer.exitcodes import ENTRYPOINT_PID_ENV, EXIT_CODE_DIR_ENV, ExitCode
+from trainer.exitcodes import ENTRYPOINT_PID_ENV, EXIT_CODE_DIR_ENV, ExitCode, cause_chain
 
 log = logging.getLogger("trainer.launch")
 
@@ -57,14 +57,7 @@ _LOST = ("RendezvousConnectionError", "DistNetworkError")
 
 def rendezvous_lost(exc: BaseException) -> bool:
     """Whether ``exc`` (or its cause) says the agent lost the connection to the rendezvous's store."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if any(cls.__name__ in _LOST for cls in type(link).__mro__):
-            return True
-        link = link.__cause__ or link.__context__
-    return False
+    return any(cls.__name__ in _LOST for link in cause_chain(exc) for cls in type(link).__mro__)
 
 
 def trainer_run_dir(argv: list[str]) -> Path | None:
