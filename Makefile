@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# Each part lists its slowest tests: where the suite's time goes, on every run and in CI's log.
+DURATIONS ?= --durations=12
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-fast demo compile bench clean
@@ -44,11 +46,11 @@ MULTI_WORKERS ?= 2
 # rewrite each test module) from source again (collection of the single-process tests, one process: 10.4 -> 7.0 CPU-s).
 test: setup
 	@unset PYTHONDONTWRITEBYTECODE; t0=$$(date +%s); \
-	$(PY) -m pytest -m "not multiprocess" -n $(TEST_WORKERS) $(PYTEST_ARGS); single=$$?; t1=$$(date +%s); \
+	$(PY) -m pytest -m "not multiprocess" -n $(TEST_WORKERS) $(DURATIONS) $(PYTEST_ARGS); single=$$?; t1=$$(date +%s); \
 	$(PY) -m pytest -m "multiprocess and not serial" -n $(MULTI_WORKERS) --dist loadscope \
-		--no-loadscope-reorder $(PYTEST_ARGS); multi=$$?; \
+		--no-loadscope-reorder $(DURATIONS) $(PYTEST_ARGS); multi=$$?; \
 	t2=$$(date +%s); \
-	$(PY) -m pytest -m "multiprocess and serial" $(PYTEST_ARGS); serial=$$?; t3=$$(date +%s); \
+	$(PY) -m pytest -m "multiprocess and serial" $(DURATIONS) $(PYTEST_ARGS); serial=$$?; t3=$$(date +%s); \
 	echo "make test: single-process tests $$((t1 - t0)) s (xdist -n $(TEST_WORKERS), exit $$single)," \
 		"multi-process tests $$((t2 - t1)) s (xdist -n $(MULTI_WORKERS), exit $$multi)" \
 		"+ $$((t3 - t2)) s one at a time (exit $$serial)"; \

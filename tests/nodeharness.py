@@ -81,6 +81,9 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     nodes: list[Node] = field(default_factory=list)
+    recorded: set[str] = field(default_factory=set)
+    """The node-memory entries (``/dev/shm``) the run's processes recorded so far (``note_memory``)."""
+    _noted_at: float = 0.0
 
     @property
     def run_dir(self) -> Path:
@@ -109,8 +112,24 @@ class Cluster:
         count = int(str(self.nnodes).split(":")[-1])
         return [self.start(rank) for rank in range(count)]
 
+    def note_memory(self, every_s: float = 0.5) -> None:
+        """Add what the run's processes recorded in their nodes' memory (``reaper.recorded``) to ``recorded``, at most
+        every ``every_s``: the names this run may leave in ``/dev/shm``, told apart from other jobs' on the machine."""
+        if time.monotonic() - self._noted_at < every_s:
+            return
+        self._noted_at = time.monotonic()
+        for job in self.base.glob("node*-shm/*"):
+            if job.is_dir():
+                self.recorded |= reaper.recorded(job)
+
+    def left_in_memory(self) -> set[str]:
+        """The entries this run's processes recorded that are still in ``/dev/shm`` (none once every node ended)."""
+        self.note_memory(every_s=0)
+        return {name for name in self.recorded if (reaper.SHM_ROOT / name).exists()}
+
     def lose(self, node: Node) -> None:
         """The node is gone with its pod: every process of it SIGKILLed at once, its node memory removed."""
+        self.note_memory(every_s=0)
         for _ in range(3):  # what a process forks while the others are being killed is caught the next time
             for pid in node.processes():
                 with contextlib.suppress(ProcessLookupError):
@@ -139,6 +158,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while not any(s >= step for s in self.steps()):
             self.replace_lost()
+            self.note_memory()
             if all(n.proc.poll() is not None for n in self.nodes if not n.lost):
                 raise AssertionError(f"every node ended before step {step}:\n{self.tail()}")
             if time.monotonic() > deadline:
@@ -150,6 +170,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while any(n.proc.poll() is None for n in self.nodes if not n.lost) and time.monotonic() < deadline:
             self.replace_lost()
+            self.note_memory()
             time.sleep(0.1)
         return self.wait(timeout=max(1.0, deadline - time.monotonic()))
 

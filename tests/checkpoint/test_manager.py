@@ -345,3 +345,14 @@ def test_a_writer_that_could_not_start_stops_without_an_error_of_its_own(pg, mon
     writer.stop(graceful=True)
     writer.stop(graceful=False)
     assert writer._queue is None
+
+
+def test_the_write_fault_hook_takes_a_step_of_its_own_before_one_for_every_step(monkeypatch):
+    from trainer.checkpoint.writer import test_fault as write_fault
+
+    monkeypatch.setenv(FAULT_ENV, "slow_write:3,slow_write:8@10,enospc@4")
+    assert [write_fault(step) for step in (2, 4, 10)] == ["slow_write:3", "enospc", "slow_write:8"]
+    monkeypatch.setenv(FAULT_ENV, "slow_write:1@1")
+    assert [write_fault(step) for step in (1, 2)] == ["slow_write:1", ""]
+    monkeypatch.delenv(FAULT_ENV)
+    assert write_fault(1) == ""

@@ -12,8 +12,9 @@ section's score uses its median over the 20 steps, which up to 9 disturbed steps
 deciding score weights the collective-free sections by time, so it is the ~15 ms optimizer step's, not the
 ~0.25 ms data section's jitter; and to fall below 0.75 a rank's median must be 1.33x the other's for the whole
 interval, while the slowed rank measures about 0.61-0.64. The forward/backward section (FSDP's collectives) never
-decides, so that test runs its steps on small batches (2 x 64 tokens per rank): the scored sections, the data
-and optimizer steps of the same model, cost what they cost in the other runs; the steps themselves ~8x less. It ran
+decides, so every run here trains on small batches (2 x 64 tokens per rank): the scored sections, the data and
+optimizer steps of the same model, cost what they cost at the preset's batch; the steps themselves ~8x less, and a
+``slow`` fault sleeps in proportion to each timed part, so a slowed rank's score does not depend on the batch. It ran
 200 steps (9 scored reports, 32 s alone) until 120 (5, ~22 s) were judged enough for a check of the false-alarm
 rate within the serial part's time: each report is scored as before; there are fewer of them.
 """
@@ -40,7 +41,8 @@ SMALL_BATCHES = ("--train.batch_size=2", "--data.seq_len=64")  # unscored forwar
 
 
 def args(run_dir, dataset, *extra, steps=STEPS, every=EVERY):
-    return ["--config", "tiny", f"--train.steps={steps}", "--checkpoint.interval=5", f"--data.path={dataset}",
+    return ["--config", "tiny", f"--train.steps={steps}", "--checkpoint.interval=5", *SMALL_BATCHES,
+            f"--data.path={dataset}",
             f"--train.run_dir={run_dir}", f"--checkpoint.node_local_dir={node_dir(run_dir)}",
             f"--resiliency.straggler_report_every={every}", *extra]
 
@@ -122,7 +124,7 @@ def test_evict_ends_the_job_unhealthy_naming_the_host_once_and_a_relaunch_resume
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_no_slow_rank_no_report_below_the_threshold_in_120_steps(tmp_path, tiny_dataset):
-    rc, out, _ = torchrun(tmp_path, tiny_dataset, "--resiliency.straggler=evict", *SMALL_BATCHES, steps=NO_SLOW_STEPS,
+    rc, out, _ = torchrun(tmp_path, tiny_dataset, "--resiliency.straggler=evict", steps=NO_SLOW_STEPS,
                           every=20, timeout=540)
     assert rc == 0, out[-4000:]
     reports = straggler_metrics(tmp_path)

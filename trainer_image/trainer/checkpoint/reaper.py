@@ -132,7 +132,7 @@ def reap(directory: Path, files: bool, node_gone: bool = False) -> list[str]:
         if pid in live:
             continue
         for rtype, name in names:
-            target = SHM_ROOT / (("sem." if rtype == "semaphore" else "") + name.lstrip("/"))
+            target = SHM_ROOT / _entry(rtype, name)
             try:
                 target.unlink()
                 removed.append(target.name)
@@ -148,6 +148,17 @@ def reap(directory: Path, files: bool, node_gone: bool = False) -> list[str]:
     if removed:
         log.info("removed what processes of this job that are gone left in node memory: %s", ", ".join(removed))
     return removed
+
+
+def recorded(directory: Path) -> set[str]:
+    """The node-memory entries (names under ``SHM_ROOT``) that the job's processes recorded in ``directory``, live or
+    dead: what ``reap`` would remove. Lets a watcher tell this job's entries from another job's on a shared node."""
+    return {_entry(rtype, name) for _, names in _owners(directory).values() for rtype, name in names}
+
+
+def _entry(rtype: str, name: str) -> str:
+    """Where glibc keeps a named semaphore (``sem.<name>``) or POSIX shared memory (``<name>``) under ``SHM_ROOT``."""
+    return ("sem." if rtype == "semaphore" else "") + name.lstrip("/")
 
 
 def _owners(directory: Path) -> dict[int, tuple[int | None, list[tuple[str, str]]]]:

@@ -41,14 +41,21 @@ FAULT_ENV = "TRAINER_CKPT_TEST_FAULT"
 """Test hook read at each persistent save and passed to the writer: ``slow_write:<seconds>`` (sleep after the
 first bytes of a shard are written, so a test can kill mid-write, or a slow disk stalls a save), ``enospc`` (the
 first write raises ENOSPC) or ``torch_short_write`` (torch's zip writer fails as it does on a full disk, without an
-errno), optionally ``@<step>`` to affect only that step. Unset in production."""
+errno), optionally ``@<step>`` to affect only that step; several separated by commas (``slow_write:3,slow_write:8@10``:
+every write stalls 3 s, step 10's 8 s). Unset in production."""
 
 
 def test_fault(step: int) -> str:
-    """The ``FAULT_ENV`` hook for this step (``<fault>`` or ``<fault>@<step>``); empty when unset."""
-    spec = os.environ.get(FAULT_ENV, "")
-    fault, _, only_step = spec.partition("@")
-    return fault if not only_step or int(only_step) == step else ""
+    """The ``FAULT_ENV`` hook for this step: the fault named for this step (``<fault>@<step>``), else the first one
+    named for every step (``<fault>``); empty when there is none."""
+    every = ""
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        fault, _, only_step = spec.partition("@")
+        if not only_step:
+            every = every or fault
+        elif int(only_step) == step:
+            return fault
+    return every
 
 
 class WriteCancelled(Exception):
