@@ -44,8 +44,8 @@ def test_a_slow_persistent_tier_never_makes_a_snapshot_skip(tmp_path, pg, monkey
     monkeypatch.setenv(FAULT_ENV, "slow_write:1")
     state = make_state()
     mgr = manager(tmp_path, interval=1, persist_every=1)
-    records = []
-    mgr.event_sink = lambda event, **fields: records.append((event, fields))
+    records, persisted = [], []  # the persist_behind records; the persisted ones (the planner's write times)
+    mgr.event_sink = lambda event, **fields: (persisted if event == "persisted" else records).append((event, fields))
     try:
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
             for step in range(1, 9):
@@ -59,6 +59,7 @@ def test_a_slow_persistent_tier_never_makes_a_snapshot_skip(tmp_path, pg, monkey
             assert len(behind) == 1, behind  # once per episode, not every step
             assert "still in flight" in behind[0]
             assert not records  # not caught up yet
+            assert persisted and all(f["write_s"] >= 1.0 for _, f in persisted)  # each write stalled 1 s
             monkeypatch.delenv(FAULT_ENV)  # the disk is fast again: the next writes take milliseconds
             step = 8
             while not records and step < 60:
