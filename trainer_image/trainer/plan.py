@@ -82,6 +82,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"cluster": cluster.__dict__, "failure_model": {
         "name": model.name, "source": model.source, "per_gpu_hour": model.per_gpu_hour(),
         "mtbf_h": round(model.mtbf_s(cluster.gpus) / 3600, 3)}, "costs": costs.to_dict()}
+    out["configuration_names"] = {key: layers.name for key, layers in CONFIGURATIONS.items()}
     out["configurations"] = {key: simulate(costs, cluster, model, layers, days=args.days, trials=args.trials,
                                            seed=args.seed).to_dict() for key, layers in CONFIGURATIONS.items()}
     if args.recommend:
@@ -128,8 +129,10 @@ def report(out: dict[str, Any]) -> str:
         lines.append(f"chart: {out['chart']['png']}")
     if "replay" in out:
         r = out["replay"]
-        lines.append(f"replay of {r['run']}: predicted {r['predicted_goodput']:.4f}, measured "
+        lines.append(f"replay of {r['run']} (strict goodput): predicted {r['predicted_goodput']:.4f}, measured "
                      f"{r['measured_goodput']:.4f} ({r['difference_points']:+.2f} points)")
+        lines += [f"  {f['layer']} fault at step {f['fault_step']}: steps redone predicted "
+                  f"{f['steps_redone_predicted']}, recorded {f['steps_redone_recorded']}" for f in r["faults"]]
     return "\n".join(lines)
 
 

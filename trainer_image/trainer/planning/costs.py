@@ -3,15 +3,18 @@ written by hand. Missing or bad values raise ``PlanError`` (one line).
 
 From a run directory (``recovery.jsonl`` + ``metrics.jsonl``, schemas in ``trainer.ledger``):
 
-- ``step_s``: the median step time (the last run of each step, as the ledger's ``productive_s`` counts them);
+- ``step_s``: the mean time of the plain steps (the last run of each step, as the ledger's ``productive_s`` counts
+  them, less step 1, the first step after each restart and the steps that carry a snapshot's cost): the planner
+  predicts expected time, so every figure here is a mean, not a median;
 - ``snapshot_s``: per snapshot (every ``interval`` steps: the metrics' ``start`` record, or the ledger's
   ``checkpoint_interval`` for ``auto``), the extra time of the steps S..S+3 over ``step_s`` (where a GPU's staging
-  copies and drain land, ``checkpoint.policy.AUTO_COST_WINDOW``), median over snapshots;
+  copies and drain land, ``checkpoint.policy.AUTO_COST_WINDOW``), mean over snapshots;
 - ``publish_s``: not measured: 3 steps on a GPU (the drain), 0 on CPU;
-- ``persist_write_s``: the ledger's ``persisted`` records (snapshot -> commit), median; ``persist_overhead_s``: the
-  extra time of the steps that ran during each write, median;
+- ``persist_write_s``: the ledger's ``persisted`` records (snapshot -> commit) of the periodic writes (not the final
+  or a preemption's save, written while training waits), mean; ``persist_overhead_s``: the extra time of the steps
+  that ended during each of them, mean;
 - ``recovery_s`` per layer: the ``recovered`` records' ``recovery_s`` less one step (the first productive step is
-  work), median; a layer the run did not exercise takes the slowest measured layer's (said in ``notes``).
+  work), mean; a layer the run did not exercise takes the slowest measured layer's (said in ``notes``).
 
 A costs file (JSON) holds the same keys: ``{"step_s", "snapshot_s", "persist_write_s", "recovery_s": {layer: s},
 "publish_s", "persist_overhead_s", "peer_copy_s", "interval", "persist_every", "source"}``.
@@ -62,9 +65,6 @@ def from_run(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Co
     ledger, metrics = read_jsonl(run / "recovery.jsonl"), read_jsonl(run / "metrics.jsonl")
     overrides = dict(overrides or {})
     times = step_times(metrics)
-    if len(times) < 2 * WINDOW:
-        raise PlanError(f"{run / 'metrics.jsonl'} has {len(times)} step record(s): too few to measure a step")
-    step_s = statistics.median(times.values())
     start = next((r for r in metrics if r.get("event") == "start"), {})
     settings = start.get("checkpoint") or {}
     interval = overrides.pop("interval", settings.get("interval"))
@@ -72,9 +72,12 @@ def from_run(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Co
         chosen = [r["steps"] for r in ledger if r.get("event") == "checkpoint_interval"]
         interval = chosen[-1] if chosen else None
     persist_every = overrides.pop("persist_every", settings.get("persist_every"))
-    if not isinstance(interval, int) or not isinstance(persist_every, int):
+    if not isinstance(interval, int) or not isinstance(persist_every, int) or interval < 1:
         raise PlanError(f"{run / 'metrics.jsonl'} does not say the run's checkpoint interval and persist_every (a "
-                        "trainer older than the planner): give --cost interval=N --cost persist_every=N")
+                        "trainer older than the planner, or interval 0): give --cost interval=N --cost persist_every=N")
+    step_s = _plain_step_time(times, interval, metrics)
+    if step_s is None:
+        raise PlanError(f"{run / 'metrics.jsonl'} has {len(times)} step record(s): too few plain steps to measure one")
     notes = []
     recovered = [r for r in ledger if r.get("event") == "recovered" and r.get("layer") in LAYERS]
     if not recovered and "recovery_s" not in overrides:
@@ -84,7 +87,7 @@ def from_run(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Co
     for layer in LAYERS:
         seen = [r["recovery_s"] - step_s for r in recovered if r["layer"] == layer and _number(r.get("recovery_s"))]
         if seen:
-            recovery[layer] = max(0.0, statistics.median(seen))
+            recovery[layer] = max(0.0, statistics.fmean(seen))
     for layer in LAYERS:
         if layer not in recovery and recovery:
             slowest = max(recovery, key=recovery.get)
@@ -92,12 +95,15 @@ def from_run(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Co
             notes.append(f"{layer} recovery not measured in this run: taken as the {slowest} layer's "
                          f"{recovery[slowest]:.2f} s (--cost recovery_{layer}=S to give it)")
     snapshot_s = _snapshot_cost(times, interval, step_s, metrics)
-    writes = [r for r in ledger if r.get("event") == "persisted" and _number(r.get("write_s"))]
+    final = {r.get("step") for r in ledger if r.get("event") == "preempted"} | {max(times, default=None)}
+    writes = [r for r in ledger if r.get("event") == "persisted" and _number(r.get("write_s"))
+              and r.get("step") not in final]
     values: dict[str, Any] = {"step_s": step_s, "snapshot_s": snapshot_s, "recovery_s": recovery,
                               "interval": interval, "persist_every": persist_every,
+                              "first_step_excess_s": max(0.0, times.get(1, step_s) - step_s),
                               "publish_s": step_s * GPU_PUBLISH_STEPS if "cuda" in str(start.get("device")) else 0.0}
     if writes:
-        values["persist_write_s"] = statistics.median(r["write_s"] for r in writes)
+        values["persist_write_s"] = statistics.fmean(r["write_s"] for r in writes)
         values["persist_overhead_s"] = _write_overhead(writes, metrics, step_s)
     for key, value in overrides.items():
         if key.startswith("recovery_") and key[len("recovery_"):] in LAYERS:
@@ -112,16 +118,29 @@ def from_run(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Co
     return checked(values, str(run), tuple(notes))
 
 
+def _restarted(metrics: list[dict[str, Any]]) -> set[int]:
+    """The first step after each restart (the metrics' ``resume`` records)."""
+    return {r["step"] + 1 for r in metrics if r.get("event") == "resume" and isinstance(r.get("step"), int)}
+
+
+def _plain_step_time(times: dict[int, float], interval: int, metrics: list[dict[str, Any]]) -> float | None:
+    """The mean of the steps that carry no snapshot cost, no start and no restart; None when fewer than 4."""
+    skip = _restarted(metrics) | {1} | {s + i for s in range(interval, max(times, default=0) + 1, interval)
+                                       for i in range(WINDOW)}
+    plain = [t for step, t in times.items() if step not in skip]
+    return statistics.fmean(plain) if len(plain) >= WINDOW else None
+
+
 def _snapshot_cost(times: dict[int, float], interval: int, step_s: float, metrics: list[dict[str, Any]]) -> float:
-    """The extra time of steps S..S+3 per snapshot S, median; a window holding a restart's first step is skipped."""
-    restarts = {r["step"] + 1 for r in metrics if r.get("event") == "resume" and isinstance(r.get("step"), int)}
+    """The extra time of steps S..S+3 per snapshot S, mean; a window holding a restart's first step is skipped."""
+    restarts = _restarted(metrics)
     costs = []
     for s in range(interval, max(times) - WINDOW + 2, interval) if interval > 0 else ():
         window = range(s, s + WINDOW)
         if s > WINDOW and all(i in times for i in window) and not restarts.intersection(window):
             costs.append(sum(times[i] - step_s for i in window))
     if costs:
-        return max(0.0, statistics.median(costs))
+        return max(0.0, statistics.fmean(costs))
     blocking = next((r.get("snapshot_blocking") for r in reversed(metrics) if r.get("event") == "summary"), None)
     if isinstance(blocking, dict) and _number(blocking.get("median_s")):
         return float(blocking["median_s"])
@@ -130,7 +149,7 @@ def _snapshot_cost(times: dict[int, float], interval: int, step_s: float, metric
 
 
 def _write_overhead(writes: list[dict[str, Any]], metrics: list[dict[str, Any]], step_s: float) -> float:
-    """Per persisted write: the extra time (over ``step_s``) of the steps that ended while it ran, median."""
+    """Per persisted write: the extra time (over ``step_s``) of the steps that ended while it ran, mean."""
     steps = [(r["time"], float(r["step_time_s"])) for r in metrics
              if r.get("event") == "step" and _number(r.get("time")) and _number(r.get("step_time_s"))]
     extra = []
@@ -138,7 +157,7 @@ def _write_overhead(writes: list[dict[str, Any]], metrics: list[dict[str, Any]],
         if _number(w.get("time")):
             begin = w["time"] - w["write_s"]
             extra.append(sum(max(0.0, t - step_s) for at, t in steps if begin < at <= w["time"]))
-    return statistics.median(extra) if extra else 0.0
+    return statistics.fmean(extra) if extra else 0.0
 
 
 def from_figures(path: str | Path, overrides: dict[str, Any] | None = None) -> Costs:

@@ -1,14 +1,18 @@
 """Replay a recorded run: its own fault schedule (which layer recovered each fault, at which step) with its measured
 costs (``costs``), through the planner's model of the tiers, and predict the goodput its ledger measured.
 
-The prediction, in the ledger's own measure (``summary``: productive = the step times of the steps that count,
-wall = from the ``start`` record to the end of training):
+The prediction is the run's wall time (the ledger's ``summary``: from the ``start`` record to the end of training):
 
-- productive = steps x ``step_s`` + snapshots x ``snapshot_s`` + persisted writes x ``persist_overhead_s`` + the
-  first step's excess over ``step_s`` (compilation, warm-up): a snapshot's and a write's costs land in step times;
-- wall = productive + per fault: its layer's recovery (``recovery_s``) + the steps it redoes x ``step_s``, where the
-  steps redone follow from the model, not from the ledger: a memory-tier layer resumes from the newest snapshot
-  published before the fault (``publish_s``), a persistent-tier one from the newest checkpoint committed before it.
+    wall = steps x ``step_s`` + snapshots x ``snapshot_s`` + persisted writes x ``persist_overhead_s``
+           + the first step's excess over ``step_s`` (compilation, warm-up)
+           + per fault: its layer's recovery (``recovery_s``) + the steps it redoes x ``step_s``
+
+where the steps redone follow from the model, not from the ledger: a memory-tier layer resumes from the newest
+snapshot published before the fault (``publish_s``), a persistent-tier one from the newest checkpoint committed by its
+restart (a preemption's final save included). Compared in the project's strict measure (``bench/figures.py``):
+goodput = steps x ``step_s`` / wall, measured with the ledger's wall. The ledger's own goodput (productive = the step
+times of the steps that count) is reported beside it: it also counts as productive the first step after each restart,
+whose excess over ``step_s`` the planner charges to the recovery (``recovery_s`` runs to that step's end).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.planning import LAYERS, PlanError
-from trainer.planning.costs import from_run, read_jsonl, step_times
+from trainer.planning.costs import from_run, read_jsonl
 from trainer.planning.simulate import Costs, Layers
 
 
@@ -34,9 +38,9 @@ def replay(run_dir: str | Path, costs: Costs | None = None, layers: Layers | Non
     if not recovered:
         raise PlanError(f"{run / 'recovery.jsonl'} has no recovery (no 'recovered' record): nothing to replay")
     steps = int(summary["steps"])
-    times = step_times(metrics)
-    first_excess = max(0.0, times.get(1, costs.step_s) - costs.step_s)
+    first_excess = costs.first_step_excess_s
     commits = sorted((r["time"], r["step"]) for r in ledger if r.get("event") == "persisted")
+    restarts = sorted(r["time"] for r in ledger if r.get("event") == "restart" and r.get("rank") == 0)
     publish_steps = math.ceil(costs.publish_s / costs.step_s - 1e-9)
     tiers = layers.tiers()
     rows, redone_total, recovery_total = [], 0, 0.0
@@ -44,8 +48,8 @@ def replay(run_dir: str | Path, costs: Costs | None = None, layers: Layers | Non
         fault_step = r.get("fault_step")
         if not isinstance(fault_step, int):
             continue
-        at = r["time"] - r.get("recovery_s", 0.0)
-        if tiers[r["layer"]] == "memory":
+        at = max((t for t in restarts if t <= r["time"]), default=r["time"])  # its restart: what was committed by
+        if tiers[r["layer"]] == "memory":  # then is there to resume from (a preemption's final save included)
             newest = (fault_step - 1 - publish_steps) // costs.interval * costs.interval
         else:
             newest = max((step for t, step in commits if t <= at), default=0)
@@ -57,16 +61,16 @@ def replay(run_dir: str | Path, costs: Costs | None = None, layers: Layers | Non
                      "recovery_s_used": round(costs.recovery_s[r["layer"]], 3),
                      "recovery_s_recorded": r.get("recovery_s")})
     writes = len(commits)
-    productive = (steps * costs.step_s + steps // costs.interval * costs.snapshot_s + writes * costs.persist_overhead_s
-                  + first_excess)
-    wall = productive + recovery_total + redone_total * costs.step_s
-    predicted = productive / wall
-    return {"run": str(run), "steps": steps, "faults": rows, "measured_goodput": float(summary["goodput"]),
-            "predicted_goodput": round(predicted, 4),
-            "difference_points": round(100 * (predicted - float(summary["goodput"])), 2),
-            "predicted": {"productive_s": round(productive, 3), "wall_s": round(wall, 3)},
-            "measured": {"productive_s": summary.get("productive_s"), "wall_s": summary.get("wall_s")},
-            "costs": costs.to_dict()}
+    work = steps * costs.step_s
+    wall = (work + steps // costs.interval * costs.snapshot_s + writes * costs.persist_overhead_s + first_excess
+            + recovery_total + redone_total * costs.step_s)
+    predicted, measured = work / wall, work / float(summary["wall_s"])
+    return {"run": str(run), "steps": steps, "faults": rows, "measure": "strict",
+            "measured_goodput": round(measured, 4), "predicted_goodput": round(predicted, 4),
+            "difference_points": round(100 * (predicted - measured), 2),
+            "predicted": {"work_s": round(work, 3), "wall_s": round(wall, 3)},
+            "measured": {"wall_s": summary.get("wall_s"), "ledger_goodput": summary.get("goodput"),
+                         "productive_s": summary.get("productive_s")}, "costs": costs.to_dict()}
 
 
 def replay_figures(path: str | Path, costs: Costs, layers: Layers | None = None) -> dict[str, Any]:
