@@ -325,12 +325,12 @@ def planning_html(plan: Mapping[str, Any], png: bytes | None = None) -> str:
     the distance from the goal, the recommended settings, and the chart (an inline PNG)."""
     cluster, model = plan.get("cluster", {}), plan.get("failure_model", {})
     names = plan.get("configuration_names", {})
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("configuration", "goodput", "95 % interval",
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("configuration", "goodput", "95 % interval", "spares",
                                                           *(n for n, _ in PLAN_LOSSES), f"vs goal {PLAN_GOAL:.2f}"))
     rows = []
     for key, r in (plan.get("configurations") or {}).items():
         goodput, losses = _num(r.get("goodput")) or 0.0, r.get("losses") or {}
-        cells = [names.get(key, key), f"{goodput:.2%}", f"±{_num(r.get('ci95')) or 0:.2%}",
+        cells = [names.get(key, key), f"{goodput:.2%}", f"±{_num(r.get('ci95')) or 0:.2%}", str(r.get("spares")),
                  *(f"{sum(_num(losses.get(x)) or 0.0 for x in keys):.2%}" for _, keys in PLAN_LOSSES),
                  f"{100 * (goodput - PLAN_GOAL):+.2f} points"]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer.planning import LAYERS, PlanError, failures
-from trainer.planning.chart import curves, draw
+from trainer.planning.chart import curves, draw, spares_for
 from trainer.planning.costs import from_figures, from_file, from_run
 from trainer.planning.recommend import recommend
 from trainer.planning.replay import replay, replay_figures
-from trainer.planning.simulate import CONFIGURATIONS, Cluster, simulate
+from trainer.planning.simulate import CONFIGURATIONS, Cluster, simulate, with_spares
 
 LOSS_COLUMNS = (("recoveries", ("recovery_inprocess", "recovery_injob", "recovery_node", "recovery_cluster")),
                 ("redone", ("redone",)), ("snapshots", ("snapshots",)), ("persist", ("persist",)),
@@ -83,8 +83,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "name": model.name, "source": model.source, "per_gpu_hour": model.per_gpu_hour(),
         "mtbf_h": round(model.mtbf_s(cluster.gpus) / 3600, 3)}, "costs": costs.to_dict()}
     out["configuration_names"] = {key: layers.name for key, layers in CONFIGURATIONS.items()}
-    out["configurations"] = {key: simulate(costs, cluster, model, layers, days=args.days, trials=args.trials,
-                                           seed=args.seed).to_dict() for key, layers in CONFIGURATIONS.items()}
+    out["configurations"] = {key: simulate(costs, with_spares(cluster, spares_for(key, cluster)), model, layers,
+                                           days=args.days, trials=args.trials, seed=args.seed).to_dict()
+                             for key, layers in CONFIGURATIONS.items()}
     if args.recommend:
         out["recommendation"] = recommend(costs, cluster, model, CONFIGURATIONS["today"], days=args.days,
                                           trials=args.trials, seed=args.seed)
@@ -113,7 +114,8 @@ def report(out: dict[str, Any]) -> str:
     first = next(iter(out["configurations"].values()))
     lines.append(f"simulated: {first['days']:g} days x {first['trials']} trials per configuration, "
                  f"{first['faults_per_day']:.2f} faults/day; losses as shares of wall time")
-    lines.append(f"{'configuration':<38}{'goodput':>9}{'95% CI':>9}" + "".join(f"{n:>20}" for n, _ in LOSS_COLUMNS))
+    lines.append(f"{'configuration':<38}{'goodput':>9}{'95% CI':>9}{'spares':>7}"
+                 + "".join(f"{n:>20}" for n, _ in LOSS_COLUMNS))
     for key, r in out["configurations"].items():
         lines.append(_row(CONFIGURATIONS[key].name, r))
     for name in ("recommendation", "recommendation_peer"):
@@ -138,7 +140,7 @@ def report(out: dict[str, Any]) -> str:
 
 def _row(name: str, r: dict[str, Any]) -> str:
     cells = "".join(f"{sum(r['losses'].get(x, 0.0) for x in keys):>20.4f}" for _, keys in LOSS_COLUMNS)
-    return f"{name:<38}{r['goodput']:>9.4f}{'±' + format(r['ci95'], '.4f'):>9}{cells}"
+    return f"{name:<38}{r['goodput']:>9.4f}{'±' + format(r['ci95'], '.4f'):>9}{r['spares']:>7}{cells}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
