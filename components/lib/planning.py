@@ -13,7 +13,7 @@ from typing import Any
 
 PLAN_MODULE = "trainer.plan"
 EVAL_GPUS = 16384
-EVAL_TRIALS = 48
+EVAL_TRIALS = 32
 TIMEOUT_S = 300.0
 PLAN_FILE, CHART_FILE = "plan.json", "goodput.png"
 

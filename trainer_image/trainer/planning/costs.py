@@ -14,7 +14,8 @@ From a run directory (``recovery.jsonl`` + ``metrics.jsonl``, schemas in ``train
   or a preemption's save, written while training waits), mean; ``persist_overhead_s``: the extra time of the steps
   that ended during each of them, mean;
 - ``recovery_s`` per layer: the ``recovered`` records' ``recovery_s`` less one step (the first productive step is
-  work), mean; a layer the run did not exercise takes the slowest measured layer's (said in ``notes``).
+  work), mean; a layer the run did not exercise takes the slowest measured layer's (said in ``notes``);
+- ``final_save_s`` (``replay`` only: the ledger's wall includes it): the last step's ``persisted`` record.
 
 A costs file (JSON) holds the same keys: ``{"step_s", "snapshot_s", "persist_write_s", "recovery_s": {layer: s},
 "publish_s", "persist_overhead_s", "peer_copy_s", "interval", "persist_every", "source"}``.
@@ -102,6 +103,7 @@ def from_run(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Co
                               "interval": interval, "persist_every": persist_every,
                               "first_step_excess_s": max(0.0, times.get(1, step_s) - step_s),
                               "publish_s": step_s * GPU_PUBLISH_STEPS if "cuda" in str(start.get("device")) else 0.0}
+    values["final_save_s"] = _final_save(ledger, metrics, max(times, default=0), notes)
     if writes:
         values["persist_write_s"] = statistics.fmean(r["write_s"] for r in writes)
         values["persist_overhead_s"] = _write_overhead(writes, metrics, step_s)
@@ -146,6 +148,21 @@ def _snapshot_cost(times: dict[int, float], interval: int, step_s: float, metric
         return float(blocking["median_s"])
     raise PlanError("no snapshot's cost could be measured (no snapshot with 4 steps after it): give "
                     "--cost snapshot_s=SECONDS")
+
+
+def _final_save(ledger: list[dict[str, Any]], metrics: list[dict[str, Any]], last: int, notes: list[str]) -> float:
+    """The final save's time: its ``persisted`` record, else the longest snapshot blocking of the last process (a
+    trainer older than the planner: the final save blocks longest), else 0."""
+    final = [r["write_s"] for r in ledger if r.get("event") == "persisted" and r.get("step") == last
+             and _number(r.get("write_s"))]
+    if final:
+        return float(final[-1])
+    blocking = next((r.get("snapshot_blocking") for r in reversed(metrics) if r.get("event") == "summary"), None)
+    if isinstance(blocking, dict) and _number(blocking.get("max_s")):
+        notes.append("final save: no persisted record of it; taken as the longest snapshot blocking "
+                     f"({blocking['max_s']:.2f} s)")
+        return float(blocking["max_s"])
+    return 0.0
 
 
 def _write_overhead(writes: list[dict[str, Any]], metrics: list[dict[str, Any]], step_s: float) -> float:

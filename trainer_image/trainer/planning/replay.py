@@ -4,7 +4,7 @@ costs (``costs``), through the planner's model of the tiers, and predict the goo
 The prediction is the run's wall time (the ledger's ``summary``: from the ``start`` record to the end of training):
 
     wall = steps x ``step_s`` + snapshots x ``snapshot_s`` + persisted writes x ``persist_overhead_s``
-           + the first step's excess over ``step_s`` (compilation, warm-up)
+           + the first step's excess over ``step_s`` (compilation, warm-up) + the final save
            + per fault: its layer's recovery (``recovery_s``) + the steps it redoes x ``step_s``
 
 where the steps redone follow from the model, not from the ledger: a memory-tier layer resumes from the newest
@@ -63,7 +63,7 @@ def replay(run_dir: str | Path, costs: Costs | None = None, layers: Layers | Non
     writes = len(commits)
     work = steps * costs.step_s
     wall = (work + steps // costs.interval * costs.snapshot_s + writes * costs.persist_overhead_s + first_excess
-            + recovery_total + redone_total * costs.step_s)
+            + recovery_total + redone_total * costs.step_s + costs.final_save_s)
     predicted, measured = work / wall, work / float(summary["wall_s"])
     return {"run": str(run), "steps": steps, "faults": rows, "measure": "strict",
             "measured_goodput": round(measured, 4), "predicted_goodput": round(predicted, 4),

@@ -56,6 +56,8 @@ class Costs:
     source: str = ""
     first_step_excess_s: float = 0.0
     """A run's first step's time over ``step_s`` (``replay`` only)."""
+    final_save_s: float = 0.0
+    """A run's final save (synchronous; inside the ledger's wall time: ``replay`` only)."""
     steps: int | None = None
     """The recorded run's steps (figures only: ``replay``)."""
     goodput_strict: float | None = None
