@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # every argument goes to the planner (argparse would take its options for ours)
+        return cmd_plan(argparse.Namespace(planner_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -11,10 +11,11 @@ from components.lib.report import render_report
 from pipelines import cli
 
 DEMO_RUN = Path(__file__).resolve().parents[1] / "unit" / "planner_data" / "demo-run"
+SETTINGS = ["--cost", "interval=10", "--cost", "persist_every=1"]  # the demo's (tests/unit/planner_data/README.md)
 
 
 def test_the_report_shows_the_planners_table_and_chart(tmp_path):
-    plan, note = plan_for_report(DEMO_RUN, tmp_path, gpus=1024, trials=8)
+    plan, note = plan_for_report(DEMO_RUN, tmp_path, gpus=1024, trials=8, extra=SETTINGS)
     assert note is None and plan is not None
     assert plan["cluster"]["gpus"] == 1024 and "recommendation" in plan
     png = (tmp_path / CHART_FILE).read_bytes()
@@ -37,7 +38,7 @@ def test_a_planner_failure_is_one_line_for_the_report(tmp_path):
 
 
 def test_cli_plan_passes_its_arguments_and_exit_code(capfd):
-    assert cli.main(["plan", "--run", str(DEMO_RUN), "--gpus", "4", "--trials", "4"]) == 2
+    assert cli.main(["plan", "--run", str(DEMO_RUN), *SETTINGS, "--gpus", "4", "--trials", "4"]) == 2
     assert "smaller than one node" in capfd.readouterr().err
-    assert cli.main(["plan", "--run", str(DEMO_RUN), "--gpus", "64", "--trials", "4", "--days", "2"]) == 0
+    assert cli.main(["plan", "--run", str(DEMO_RUN), *SETTINGS, "--gpus", "64", "--trials", "4", "--days", "2"]) == 0
     assert "today's layers" in capfd.readouterr().out

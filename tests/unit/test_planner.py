@@ -17,7 +17,7 @@ from testlib import REPO
 from trainer import plan
 from trainer.planning import LAYERS, failures
 from trainer.planning.chart import curves, draw
-from trainer.planning.costs import from_figures
+from trainer.planning.costs import from_figures, from_run
 from trainer.planning.replay import replay, replay_figures
 from trainer.planning.simulate import (
     CONFIGURATIONS, Cluster, Costs, Layers, closed_form_goodput, persist_cycles, simulate, young_daly,
@@ -25,6 +25,7 @@ from trainer.planning.simulate import (
 
 DATA = Path(__file__).parent / "planner_data"
 DEMO_RUN = DATA / "demo-run"
+DEMO_SETTINGS = {"interval": 10, "persist_every": 1}  # the demo's (its metrics predate the start record's: README)
 ONE_LAYER = {"inprocess": 1.0 / 86400, "injob": 0.0, "node": 0.0, "cluster": 0.0}  # one fault a day
 
 
@@ -73,7 +74,7 @@ def test_simulation_finds_young_dalys_optimum_and_loss():
 def test_replay_of_the_cpu_demo_predicts_its_measured_goodput():
     """The shipped demo run (``pipelines.demo``: an exception, a SIGKILL, a lost node, a preemption with a pipeline
     retry; trimmed): its own faults and measured costs predict the goodput its ledger measured within 1.5 points."""
-    result = replay(DEMO_RUN)
+    result = replay(DEMO_RUN, from_run(DEMO_RUN, DEMO_SETTINGS))
     assert {f["layer"] for f in result["faults"]} >= {"inprocess", "injob", "node"}
     assert abs(result["difference_points"]) <= 1.5, result
 
@@ -151,7 +152,8 @@ def test_the_cli_runs_without_torch(tmp_path):
     probe = ("import sys, runpy; sys.argv = ['plan'] + sys.argv[1:]\n"
              "try:\n    runpy.run_module('trainer.plan', run_name='__main__')\nexcept SystemExit as e:\n"
              "    assert 'torch' not in sys.modules, 'torch imported'; raise")
-    out = subprocess.run([sys.executable, "-c", probe, "--run", str(DEMO_RUN), "--gpus", "1024", "--trials", "8",
+    out = subprocess.run([sys.executable, "-c", probe, "--run", str(DEMO_RUN), "--cost", "interval=10", "--cost",
+                          "persist_every=1", "--gpus", "1024", "--trials", "8",
                           "--days", "2", "--replay", "--json", str(tmp_path / "p.json")],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr

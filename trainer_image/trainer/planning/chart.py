@@ -82,8 +82,8 @@ def draw(data: dict[str, list[dict[str, Any]]], path: str | Path, title: str) ->
     for n, (key, points) in enumerate(data.items()):
         colour = COLOURS.get(key, (80, 80, 80))
         line = [(sx(p["gpus"]), sy(p["goodput"])) for p in points]
-        if len(line) > 1:
-            pen.line(line, fill=colour, width=3)
+        if len(line) > 1:  # the first drawn widest: curves that coincide stay visible beneath each other
+            pen.line(line, fill=colour, width=max(3, 9 - 2 * n))
         for px, py in line:
             pen.ellipse([px - 3, py - 3, px + 3, py + 3], fill=colour)
         pen.rectangle([W - RIGHT + 10, TOP + 30 + n * 22, W - RIGHT + 24, TOP + 44 + n * 22], fill=colour)

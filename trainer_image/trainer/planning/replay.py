@@ -9,7 +9,8 @@ The prediction is the run's wall time (the ledger's ``summary``: from the ``star
 
 where the steps redone follow from the model, not from the ledger: a memory-tier layer resumes from the newest
 snapshot published before the fault (``publish_s``), a persistent-tier one from the newest checkpoint committed by its
-restart (a preemption's final save included). Compared in the project's strict measure (``bench/figures.py``):
+restart (a preemption's final save included); only for a fault that was not injected (its step unknown) the
+ledger's ``steps_redone`` is taken. Compared in the project's strict measure (``bench/figures.py``):
 goodput = steps x ``step_s`` / wall, measured with the ledger's wall. The ledger's own goodput (productive = the step
 times of the steps that count) is reported beside it: it also counts as productive the first step after each restart,
 whose excess over ``step_s`` the planner charges to the recovery (``recovery_s`` runs to that step's end).
@@ -46,14 +47,13 @@ def replay(run_dir: str | Path, costs: Costs | None = None, layers: Layers | Non
     rows, redone_total, recovery_total = [], 0, 0.0
     for r in recovered:
         fault_step = r.get("fault_step")
-        if not isinstance(fault_step, int):
-            continue
         at = max((t for t in restarts if t <= r["time"]), default=r["time"])  # its restart: what was committed by
-        if tiers[r["layer"]] == "memory":  # then is there to resume from (a preemption's final save included)
-            newest = (fault_step - 1 - publish_steps) // costs.interval * costs.interval
+        if not isinstance(fault_step, int):  # a fault that was not injected: its step is unknown, take the ledger's
+            redone = r.get("steps_redone") or 0
+        elif tiers[r["layer"]] == "memory":  # then is there to resume from (a preemption's final save included)
+            redone = max(0, fault_step - 1 - (fault_step - 1 - publish_steps) // costs.interval * costs.interval)
         else:
-            newest = max((step for t, step in commits if t <= at), default=0)
-        redone = max(0, fault_step - 1 - newest)
+            redone = max(0, fault_step - 1 - max((step for t, step in commits if t <= at), default=0))
         redone_total += redone
         recovery_total += costs.recovery_s[r["layer"]]
         rows.append({"layer": r["layer"], "fault": r.get("fault_kind"), "fault_step": fault_step,
