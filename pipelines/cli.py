@@ -1,10 +1,11 @@
-"""``python -m pipelines.cli {compile,submit,schedule}``: the training pipeline on a Kubeflow cluster.
+"""``python -m pipelines.cli {compile,submit,schedule,plan}``: the training pipeline on a Kubeflow cluster.
 
     python -m pipelines.cli compile --image "$IMAGE" --out pipeline.yaml
     python -m pipelines.cli submit --host "$KFP_HOST" --namespace "$NAMESPACE" --package pipeline.yaml \\
         --param model=1b --param nodes=2 --param gpus_per_node=8 --param steps=20000
     python -m pipelines.cli schedule --host "$KFP_HOST" --namespace "$NAMESPACE" --package pipeline.yaml \\
         --cron '0 0 3 * * *' --name nightly-train --param init_from=promoted
+    python -m pipelines.cli plan --run RUN_DIR --gpus 16384 --recommend --chart goodput.png
 
 Parameters are validated here (``components.lib.params``) before anything is submitted. Runs use the
 profile's service account ``default-editor``, to which ``deploy/base/rbac.yaml`` binds the launcher's
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import typing
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from components.lib.params import ParamError, PipelineParams, step_pull_secret_errors
+from components.lib.planning import PLAN_MODULE
 from pipelines.compile import compile_pipeline
 
 SERVICE_ACCOUNT = "default-editor"  # the Kubeflow profile's editor; deploy/base/rbac.yaml binds the launcher Role to it
@@ -361,6 +364,12 @@ def _refused(args: argparse.Namespace, environ: Mapping[str, str] | None = None)
     return f"no credentials were sent and the server wants some: set ${TOKEN_ENV} or ${COOKIES_ENV} (see --help)"
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The goodput planner on a finished run (``python -m trainer.plan``, run as a process: no torch here); its own
+    exit code (2: bad input, with one line saying what to change)."""
+    return subprocess.run([sys.executable, "-m", PLAN_MODULE, *(args.planner_args or ["--help"])]).returncode  # noqa: S603
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipelines.cli", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -370,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_compile.add_argument("--image-pull-secret", action="append", default=[], metavar="SECRET",
                            help="a docker-registry Secret to pull the image with (repeatable)")
     p_compile.set_defaults(func=cmd_compile)
+    p_plan = sub.add_parser("plan", help="project a finished run's goodput at N GPUs (trainer/PLANNING.md)",
+                            description="The goodput planner: python -m trainer.plan with these arguments, e.g. "
+                                        "plan --run RUN_DIR --gpus 16384 --spares 4 --recommend --chart goodput.png")
+    p_plan.add_argument("planner_args", nargs=argparse.REMAINDER, help="the planner's arguments (plan --help)")
+    p_plan.set_defaults(func=cmd_plan)
     for name, func, help_text in (("submit", cmd_submit, "start one run"),
                                   ("schedule", cmd_schedule, "create a recurring run")):
         p = sub.add_parser(name, help=help_text, description=f"{help_text.capitalize()} on Kubeflow Pipelines.",
@@ -411,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # every argument goes to the planner (argparse would take its options for ours)
+        return cmd_plan(argparse.Namespace(planner_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

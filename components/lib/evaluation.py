@@ -248,6 +248,7 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
     ``checkpoint`` and ``dataset`` are the Model and Dataset artifacts' metadata (checkpoint_dir, run_dir,
     step, model; data_dir, tokenizer_sha256, val_sha256).
     """
+    from components.lib.planning import CHART_FILE, plan_for_report
     from components.lib.report import read_jsonl, render_report, summarize_ledger
 
     eval_dir = Path(eval_dir)
@@ -269,6 +270,8 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     ledger, bad = read_jsonl(run_dir / "recovery.jsonl")
     candidate["goodput"] = summarize_ledger(ledger)["goodput"]  # None when the ledger has no timing
+    plan, plan_note = plan_for_report(run_dir, eval_dir / "planner")  # a planner failure is a note, not a failure
+    planning = (plan, _read_bytes(eval_dir / "planner" / CHART_FILE)) if plan else None
     html_text = render_report(
         title=f"Training run {run_id}: {result['model']} at step {result['step']}",
         metrics=metrics, ledger=ledger,
@@ -276,8 +279,16 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
         decision=decision.to_dict(),
         run_info={"run id": run_id, "run directory": str(run_dir), "dataset": dataset["data_dir"],
                   "promoted registry": registry},
-        notes=[f"{bad} unreadable line(s) in recovery.jsonl were skipped"] if bad else [])
+        notes=([f"{bad} unreadable line(s) in recovery.jsonl were skipped"] if bad else [])
+        + ([f"goodput at scale: not projected ({plan_note})"] if plan_note else []), planning=planning)
     eval_dir.mkdir(parents=True, exist_ok=True)
     (eval_dir / "report.html").write_text(html_text)
     (eval_dir / "decision.json").write_text(json.dumps(decision.to_dict(), indent=2) + "\n")
     return EvalOutcome(result, decision, candidate, html_text)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None

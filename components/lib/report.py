@@ -7,6 +7,7 @@ report is written after faults by design. Every piece of text from those files i
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import math
@@ -313,10 +314,51 @@ font-size:13px}th{background:#fafafa;font-weight:600}.empty{color:#777}.decision
 background:#f4f8ff;border-left:4px solid #36c}.legend span{display:inline-block;margin-right:14px;font-size:12px}"""
 
 
+PLAN_GOAL = 0.95
+PLAN_LOSSES = (("recoveries", ("recovery_inprocess", "recovery_injob", "recovery_node", "recovery_cluster")),
+               ("steps redone", ("redone",)), ("snapshots", ("snapshots",)), ("persisted writes", ("persist",)),
+               ("waiting for a node", ("waiting_for_node",)))
+
+
+def planning_html(plan: Mapping[str, Any], png: bytes | None = None) -> str:
+    """The goodput planner's projection (``components.lib.planning``): a table per configuration with the losses and
+    the distance from the goal, the recommended settings, and the chart (an inline PNG)."""
+    cluster, model = plan.get("cluster", {}), plan.get("failure_model", {})
+    names = plan.get("configuration_names", {})
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("configuration", "goodput", "95 % interval", "spares",
+                                                          *(n for n, _ in PLAN_LOSSES), f"vs goal {PLAN_GOAL:.2f}"))
+    rows = []
+    for key, r in (plan.get("configurations") or {}).items():
+        goodput, losses = _num(r.get("goodput")) or 0.0, r.get("losses") or {}
+        cells = [names.get(key, key), f"{goodput:.2%}", f"±{_num(r.get('ci95')) or 0:.2%}", str(r.get("spares")),
+                 *(f"{sum(_num(losses.get(x)) or 0.0 for x in keys):.2%}" for _, keys in PLAN_LOSSES),
+                 f"{100 * (goodput - PLAN_GOAL):+.2f} points"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    out = [f"<p>Projected from this run's own measured costs at {cluster.get('gpus', 0):,} GPUs "
+           f"({cluster.get('spare_nodes', 0)} spare nodes, a replacement pod in {cluster.get('replacement_s', 0):.0f} s), "
+           f"failure model {html.escape(str(model.get('name')))} (MTBF {model.get('mtbf_h')} h at this size; "
+           f"{html.escape(str(model.get('source')))}). Losses are shares of wall time.</p>",
+           f"<table><tr>{head}</tr>{''.join(rows)}</table>"]
+    rec = (plan.get("recommendation") or {})
+    for which in ("current", "recommended"):
+        s = rec.get(which)
+        if s:
+            out.append(f"<p>{which}: snapshot every {s.get('interval')} steps, persist every {s.get('persist_every')}, "
+                       f"{s.get('spares')} spare nodes: goodput {s.get('goodput'):.2%} "
+                       f"(per booked GPU {s.get('goodput_per_booked_gpu'):.2%})</p>")
+    for note in (plan.get("costs") or {}).get("notes", []):
+        out.append(f'<p class="empty">{html.escape(str(note))}</p>')
+    if png:
+        out.append(f'<img alt="goodput against the number of GPUs per configuration" width="900" '
+                   f'src="data:image/png;base64,{base64.b64encode(png).decode()}">')
+    return "".join(out)
+
+
 def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: Sequence[Mapping[str, Any]],
                   evaluation: Mapping[str, Any] | None = None, decision: Mapping[str, Any] | None = None,
-                  run_info: Mapping[str, Any] | None = None, notes: Sequence[str] = ()) -> str:
-    """The whole report as one HTML document."""
+                  run_info: Mapping[str, Any] | None = None, notes: Sequence[str] = (),
+                  planning: tuple[Mapping[str, Any], bytes | None] | None = None) -> str:
+    """The whole report as one HTML document; ``planning``: the goodput planner's result and chart (PNG bytes)."""
     summary = summarize_ledger(ledger)
     spans = recovery_spans(ledger)
     times = [t for t in (_num(r.get("time")) for r in [*metrics, *ledger]) if t is not None]
@@ -373,6 +415,9 @@ def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: S
         *((f"recovery time: {LAYER_TITLES[k]} (s)", v) for k, v in summary["recovery_s"].items()),
         ("steps redone", summary["steps_redone"]),
     ]))
+    if planning is not None:
+        out.append("<h2>Goodput at scale (planner)</h2>")
+        out.append(planning_html(*planning))
     for note in notes:
         out.append(f'<p class="empty">{html.escape(note)}</p>')
     out.append("</body></html>\n")

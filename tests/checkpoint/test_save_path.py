@@ -44,8 +44,8 @@ def test_a_slow_persistent_tier_never_makes_a_snapshot_skip(tmp_path, pg, monkey
     monkeypatch.setenv(FAULT_ENV, "slow_write:1")
     state = make_state()
     mgr = manager(tmp_path, interval=1, persist_every=1)
-    records = []
-    mgr.event_sink = lambda event, **fields: records.append((event, fields))
+    records, persisted = [], []  # the persist_behind records; the persisted ones (the planner's write times)
+    mgr.event_sink = lambda event, **fields: (persisted if event == "persisted" else records).append((event, fields))
     try:
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
             for step in range(1, 9):
@@ -70,6 +70,7 @@ def test_a_slow_persistent_tier_never_makes_a_snapshot_skip(tmp_path, pg, monkey
         caught_up = [r.getMessage() for r in caplog.records if "persistent tier caught up" in r.getMessage()]
         assert len(caught_up) == 1, caught_up
         assert [event for event, _ in records] == ["persist_behind"]
+        assert max(f["write_s"] for _, f in persisted) >= 1.0  # the planner's write times: the slow ones stalled 1 s
         fields = records[0][1]
         assert fields["since_step"] == 2 and fields["deferred"] >= 2 and fields["until_step"] == step
         assert committed_steps(mgr.dir)[-1] == fields["committed_step"] >= 9

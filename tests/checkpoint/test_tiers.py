@@ -4,6 +4,7 @@ tests/resiliency/test_recovery.py."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from statelib import (  # noqa: F401 - pg
 )
 from trainer.checkpoint import committed_steps
 from trainer.checkpoint.policy import IntervalPolicy, young_daly_steps
+from trainer.config import CheckpointConfig
 
 
 def _newest_slot_files(tmp_path: Path) -> tuple[Path, Path]:
@@ -178,7 +180,34 @@ def test_auto_interval_is_chosen_from_measured_costs_and_recorded(tmp_path, pg, 
         # Probes: the first snapshot's one-time costs are not measured, the third measures the second's cost; then
         # Young/Daly: sqrt(2 * 0.5 s * 3600 s) / 1 s = 60.
         assert taken == [5, 10, 15, 75]
-        assert events == [("checkpoint_interval", {"steps": 60, "cost_s": 0.5, "step_s": 1.0, "mtbf_s": 3600.0})]
+        assert events == [("checkpoint_interval", {"steps": 60, "cost_s": 0.5, "step_s": 1.0, "mtbf_s": 3600.0,
+                                                   "basis": "checkpoint.mtbf_s"})]
+    finally:
+        mgr.close(job_over=True)
+
+
+def test_auto_interval_without_mtbf_uses_the_failure_model_at_the_jobs_size(tmp_path, pg, monkeypatch):
+    """``checkpoint.mtbf_s = 0`` (the default): Young/Daly with the MTBF of ``checkpoint.failure_model`` at the job's
+    world size (Llama 3's 419 interruptions in 54 days on 16,384 GPUs: one GPU's MTBF is 16,384 x 54 x 24 / 419
+    hours), and the ledger record says so."""
+    now = {"t": 0.0}
+    monkeypatch.setattr("trainer.checkpoint.policy.time.perf_counter", lambda: now["t"])
+    state = make_state()
+    mgr = manager(tmp_path, interval="auto", persist_every=0)
+    assert CheckpointConfig().mtbf_s == 0 and CheckpointConfig().failure_model == "llama3"
+    events = []
+    mgr.event_sink = lambda event, **fields: events.append((event, fields))
+    taken = []
+    try:
+        for step in range(1, 21):
+            if mgr.save(step, state):
+                now["t"] += 0.5 if taken else 9.0
+                taken.append(step)
+            now["t"] += 1.0
+        mtbf_s = 16384 * 54 * 24 / 419 * 3600  # one GPU: the world size of this test
+        assert events == [("checkpoint_interval", {"steps": round(math.sqrt(2 * 0.5 * mtbf_s)), "cost_s": 0.5,
+                                                   "step_s": 1.0, "mtbf_s": round(mtbf_s, 1),
+                                                   "basis": "failure model llama3 at 1 GPU(s)"})]
     finally:
         mgr.close(job_over=True)
 

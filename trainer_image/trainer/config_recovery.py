@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.config_checks import ConfigError, choice as _choice, positive as _positive
+from trainer.planning import PlanError, failures
 
 KINDS = ("exception", "hang", "hang_gil", "sigkill", "oom", "sigterm", "corrupt_checkpoint", "slow", "node_lost",
          "data_error")
@@ -80,7 +81,7 @@ class CheckpointConfig:
     """Checkpoint directory on shared storage; empty = ``<train.run_dir>/checkpoints``."""
     interval: int | str = 0
     """Memory checkpoint every N steps (a snapshot in host memory: it blocks only for the device-to-host copy);
-    ``"auto"`` chooses N by Young/Daly, sqrt(2 * measured snapshot cost * ``mtbf_s``), logged and recorded in
+    ``"auto"`` chooses N by Young/Daly, sqrt(2 * measured snapshot cost * MTBF), logged and recorded in
     the recovery ledger (the cost: the extra time of the 4 steps after a snapshot, where a GPU's staging copies
     and drain land); 0 checkpoints only at the end of the run."""
     persist_every: int = 1
@@ -111,8 +112,13 @@ class CheckpointConfig:
     18 GB slot in one call holds the CUDA driver for seconds, and the training thread's kernel launches wait: on one
     H200 the first step after an in-job restart took 4.2 s with 0, 0.3-0.5 s with 1024 (BENCHMARKS.md). 1024
     matches the chunks a node-local restore registers, which are then kept instead of registered again."""
-    mtbf_s: float = 86400.0
-    """Mean time between failures of the whole job, for ``interval = "auto"``."""
+    mtbf_s: float = 0.0
+    """Mean time between failures of the whole job, for ``interval = "auto"``; 0: the MTBF of ``failure_model`` at
+    the job's real size (one GPU a rank: the world size), as the goodput planner computes it (``trainer.planning``)."""
+    failure_model: str = "llama3"
+    """The failure model ``interval = "auto"`` uses when ``mtbf_s`` is 0: ``llama3`` (Llama 3's 54 days on 16,384
+    H100s), ``rsc1``, ``rsc2`` (Meta's research clusters), or a JSON file of rates per GPU-hour
+    (``trainer/PLANNING.md``)."""
     keep: int = 2
     """Committed checkpoints to keep (>= 2 so a corrupt newest one can fall back)."""
     async_save: bool = True
@@ -151,8 +157,12 @@ class CheckpointConfig:
             )
         if self.pin_chunk_mib < 0:
             raise ConfigError(f"checkpoint.pin_chunk_mib must be >= 0 (0 = one registration per slot); got {self.pin_chunk_mib}")
-        if self.mtbf_s <= 0:
-            raise ConfigError(f"checkpoint.mtbf_s must be > 0; got {self.mtbf_s}")
+        if self.mtbf_s < 0:
+            raise ConfigError(f"checkpoint.mtbf_s must be >= 0 (0: from checkpoint.failure_model); got {self.mtbf_s}")
+        try:
+            failures.load(self.failure_model)
+        except PlanError as exc:
+            raise ConfigError(f"checkpoint.failure_model: {exc}") from None
         if self.min_write_mbps <= 0:
             raise ConfigError(f"checkpoint.min_write_mbps must be > 0 (MB/s); got {self.min_write_mbps}")
         if self.keep < 2:

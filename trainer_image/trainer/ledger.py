@@ -52,8 +52,12 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
 ``{"event": "preempted", "step"}``
     Rank 0, after the final checkpoint of a handled SIGTERM (a restart after it counts it as the fault
     ``preemption`` unless an injected ``sigterm`` fault is pending).
-``{"event": "checkpoint_interval", "steps", "cost_s", "step_s", "mtbf_s"}``
-    Rank 0, when ``checkpoint.interval = "auto"`` chooses an interval (Young/Daly) or changes it by more than 20 %.
+``{"event": "checkpoint_interval", "steps", "cost_s", "step_s", "mtbf_s", "basis"}``
+    Rank 0, when ``checkpoint.interval = "auto"`` chooses an interval (Young/Daly) or changes it by more than 20 %;
+    ``basis`` says where the MTBF came from (``checkpoint.mtbf_s``, or ``failure model llama3 at 16 GPU(s)``).
+``{"event": "persisted", "step", "at_step", "write_s"}``
+    Rank 0, when a write to the persistent tier commits (during training step ``at_step``): ``write_s`` from its
+    snapshot to the commit (the goodput planner's persisted write time, ``trainer.planning.costs``).
 ``{"event": "persist_behind", "since_step", "until_step", "committed_step", "seconds", "max_lag_s", "max_lag_steps", "deferred"}``
     Rank 0, when the persistent tier has caught up after falling behind (a write still in flight when the next
     one fell due): from which step until which, at most how far the newest committed checkpoint lagged the

@@ -311,7 +311,9 @@ def _steps(
     if progress.step == 0:
         res.metrics.log(
             {"event": "start", "world_size": env.world_size, "device": str(device),
-             "params": count_params(cfg.model), "tokens_per_step": tokens_per_step, "model": cfg.model.name}
+             "params": count_params(cfg.model), "tokens_per_step": tokens_per_step, "model": cfg.model.name,
+             "checkpoint": {"interval": cfg.checkpoint.interval, "persist_every": cfg.checkpoint.persist_every,
+                            "node_local": cfg.checkpoint.node_local}}  # read by the planner (trainer.planning.costs)
         )
     else:
         res.metrics.log({"event": "resume", "step": progress.step})

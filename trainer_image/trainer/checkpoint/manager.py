@@ -33,7 +33,7 @@ from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
 from trainer.checkpoint.persistent import PersistentTier
-from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
+from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy, interval_mtbf
 from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
 from trainer.checkpoint.staging import Drain, choose_copier
@@ -72,7 +72,8 @@ class CheckpointManager:
         self.coord = Coordination(coordination_timeout_s)
         self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
         self.persistent.keepalive = lambda: self.keepalive()
-        self.policy = IntervalPolicy(cfg.interval, cfg.mtbf_s)
+        self.mtbf_s, self.mtbf_basis = interval_mtbf(cfg, env.world_size)
+        self.policy = IntervalPolicy(cfg.interval, self.mtbf_s)
         self.persist_policy = PersistPolicy(cfg.persist_every)
         self._stream: Any = None
         self._copier: Any = None
@@ -333,14 +334,18 @@ class CheckpointManager:
 
     def _record_interval(self, interval: int, step_s: float, cost_s: float) -> None:
         log.info("checkpoint.interval=auto: a memory checkpoint every %d steps (Young/Daly: snapshot cost %.4f s, "
-                 "step %.4f s, MTBF %.0f s)", interval, cost_s, step_s, self.cfg.mtbf_s)
+                 "step %.4f s, MTBF %.0f s: %s)", interval, cost_s, step_s, self.mtbf_s, self.mtbf_basis)
         self.event_sink("checkpoint_interval", steps=interval, cost_s=round(cost_s, 5), step_s=round(step_s, 5),
-                        mtbf_s=self.cfg.mtbf_s)
+                        mtbf_s=round(self.mtbf_s, 1), basis=self.mtbf_basis)
 
     # ---- the persistent tier ---------------------------------------------------------------------------------
     def _poll_persist(self, step: int, blocking: bool = False) -> None:
+        inflight = self.persistent.inflight
         committed = self.persistent.poll(blocking)
         if committed is not None:
+            if inflight is not None:  # the planner's persisted write time (trainer.planning.costs)
+                self.event_sink("persisted", sync=False, step=committed, at_step=step,
+                                write_s=round(time.monotonic() - inflight.started_at, 3))
             caught_up = self.persist_policy.committed(committed, step)
             if caught_up is not None:
                 self.event_sink("persist_behind", **caught_up)

@@ -1,4 +1,5 @@
-"""When a memory checkpoint is due (every ``checkpoint.interval`` steps, or ``"auto"`` by Young/Daly), and which
+"""When a memory checkpoint is due (every ``checkpoint.interval`` steps, or ``"auto"`` by Young/Daly with the MTBF of
+``checkpoint.mtbf_s`` or, when it is 0, of the planner's failure model at the job's size), and which
 of them also go to the persistent tier (``PersistPolicy``)."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from trainer.planning import failures
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,15 @@ AUTO_COST_WINDOW = 4
 the staging copies run beside the next step and the drain to host memory beside the ones after (H200, ``1b``:
 +1.5, +9.7, +4.1, +1.7 ms at S..S+3), so the snapshot step alone shows a fraction of it."""
 _MIN_COST_S = 1e-3
+
+
+def interval_mtbf(cfg: Any, world_size: int) -> tuple[float, str]:
+    """The MTBF ``interval = "auto"`` uses, and its basis for the ledger: ``checkpoint.mtbf_s`` when > 0, else the
+    MTBF of ``checkpoint.failure_model`` at the job's size (one GPU a rank: ``world_size`` GPUs)."""
+    if cfg.mtbf_s > 0:
+        return float(cfg.mtbf_s), "checkpoint.mtbf_s"
+    model = failures.load(cfg.failure_model)
+    return model.mtbf_s(world_size), f"failure model {model.name} at {world_size} GPU(s)"
 
 
 def young_daly_steps(cost_s: float, step_s: float, mtbf_s: float) -> int:

@@ -274,10 +274,10 @@ class Layers:
         with self.straggler.section(name), self.faults.slowed():
             yield
 
-    def record(self, event: str, **fields: Any) -> None:
-        """A decision worth keeping in the recovery ledger (rank 0's view)."""
+    def record(self, event: str, sync: bool = True, **fields: Any) -> None:
+        """A decision worth keeping in the recovery ledger (rank 0's view); ``sync``: ``Ledger.write``'s."""
         if self.ledger is not None and self.rank == 0:
-            self.ledger.write(event, **fields)
+            self.ledger.write(event, sync=sync, **fields)
 
     def before_step(self, step: int) -> None:
         self.keepalive()
