@@ -197,6 +197,28 @@ def test_in_process_restart_never_waits_for_the_disk(tmp_path, pg, monkeypatch, 
         mgr.close()
 
 
+def test_the_final_save_keeps_the_liveness_signals_going_while_a_stuck_write_stops(tmp_path, pg, monkeypatch):
+    """A write blocked in the kernel (a slow disk's write or fsync) stops only when that call returns: while the final
+    save waits for it, the loop's liveness signals go on (a preemption's final save must not look like a hang)."""
+    monkeypatch.setenv(FAULT_ENV, "slow_write:30")
+    state = make_state()
+    mgr = manager(tmp_path)
+    beats = []
+    mgr.keepalive = lambda: beats.append(time.monotonic())
+    try:
+        train_step(state, 1)
+        mgr.save(1, state)
+        poll, stops_at = mgr.writer.poll, time.monotonic() + 2.5
+        monkeypatch.setattr(mgr.writer, "poll",  # the writer sees the cancel only 2.5 s from now
+                            lambda blocking: None if time.monotonic() < stops_at else poll(blocking))
+        train_step(state, 2)
+        mgr.save(2, state, last_step=True)
+        assert committed_steps(mgr.dir) == [2]
+        assert len(beats) >= 2, f"liveness signals while the cancelled write stopped: {beats}"
+    finally:
+        mgr.close()
+
+
 def test_the_final_save_can_let_an_older_write_commit_first(tmp_path, pg, monkeypatch, caplog):
     """``checkpoint.final_cancels_older_write=false``: the write of step 1, still in flight at the final save, is
     committed (not cancelled) before the final checkpoint is written: both steps are on disk."""

@@ -150,7 +150,12 @@ class PersistentTier:
             return
         if persist.submitted and persist.report is None:
             self.writer.cancel()
-            persist.report = self.writer.poll(blocking=True)
+            # A writer stops between chunks, but one blocked in a write or fsync on a slow disk stops only when
+            # that returns: the liveness signals go on meanwhile (the final save of a preemption waits here).
+            while (report := self.writer.poll(blocking=False)) is None:
+                self._keep_alive_while_written(persist)
+                time.sleep(_COMMIT_POLL_S)
+            persist.report = report
         log.info("the write of step %d is cancelled: the final checkpoint of step %d supersedes it", persist.step,
                  superseded_by)
         persist.slot.locked = False

@@ -510,6 +510,8 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
         startup.CLOCK.note("called_again")
         if call_wrapper.iteration:
             log.info("in-process restart, from the abort's end to this call: %s", clock.stop(startup.CLOCK.marks))
+        if layers.preemption.committed:  # interrupted after the final checkpoint (a peer already left): done
+            raise TrainerExit(ExitCode.PREEMPTED, "preempted: the final checkpoint was committed before this restart")
         if call_wrapper.iteration > r.inprocess_max_restarts:
             raise TrainerExit(ExitCode.RESTART_BUDGET_EXHAUSTED,
                               f"in-process restart budget spent ({r.inprocess_max_restarts} restarts)")
