@@ -72,6 +72,8 @@ class PersistentTier:
         self.cfg, self.dir, self.config_json, self.coord, self.writer = cfg, directory, config_json, coord, writer
         self.inflight: _Persist | None = None
         self.save_bytes = 0
+        self.bytes_read = 0
+        """Bytes of ``checkpoint.dir`` the last ``read`` read on this rank (its manifest and the shards it verified)."""
         """One persistent checkpoint's bytes, summed over ranks (``estimate_save_bytes``)."""
         self.last_committed: int | None = None
         self.last_committed_at: float | None = None
@@ -312,6 +314,8 @@ class PersistentTier:
         ``(reason, message)``; none when it was restored."""
         step_dir = self.dir / step_dir_name(step)
         started = time.perf_counter()
+        manifest_file = step_dir / "manifest.json"
+        self.bytes_read = manifest_file.stat().st_size if manifest_file.is_file() else 0
         manifest, reason, message = read_manifest(step_dir)
         problems = [(reason, message)] if manifest is None else self._check_files(step_dir, manifest, state)
         if not problems:
@@ -345,6 +349,7 @@ class PersistentTier:
         except CheckpointError as exc:
             return [("mismatch", str(exc))]
         ranks = sorted(needed)
+        self.bytes_read += sum(int(s.get("bytes", 0)) for s in manifest["shards"] if s.get("rank") in needed)
         return verify_shards(step_dir, manifest, ranks, self.cfg.verify_checksums) or probe_loadable(step_dir, manifest, ranks)
 
     def _restore_from_disk(self, state: dict[str, Any], step_dir: Path, manifest: dict[str, Any]) -> None:
