@@ -23,18 +23,21 @@ import pytest
 import torch
 
 from nodeharness import Cluster
-from test_nodes import ARGS, ENV
-from test_recovery import VENV_BIN, _run, events, node_dir
+from test_nodes import ENV
+from test_recovery import BASE, GRACE, VENV_BIN, _run, events, node_dir
 from trainer.checkpoint import load_model_weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
-STEPS = 34
+STEPS = 30
 SEED = int.from_bytes(os.urandom(4), "little")
 DRAW = random.Random(SEED)
-SPARE_AT, CORRUPT_AT, BOTH_AT = DRAW.randint(8, 9), DRAW.randint(16, 17), DRAW.randint(24, 25)
+SPARE_AT, CORRUPT_AT, BOTH_AT = DRAW.randint(7, 8), DRAW.randint(14, 15), DRAW.randint(21, 22)
 WHY = f"(seed {SEED}: nodes lost at steps {SPARE_AT}, {CORRUPT_AT} (replicas corrupted), {BOTH_AT} (with its holder))"
-RUN_ARGS = [*(a for a in ARGS if not a.startswith("--train.steps")), f"--train.steps={STEPS}"]
+# No in-process layer: a lost node is the in-job layer's (every node's launcher meets the new one); one thread per
+# worker, as in test_nodes.
+RUN_ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
+            *GRACE]
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +76,10 @@ def peers(tmp_path_factory, tiny_dataset):
     with Cluster(base, tiny_dataset, 3, 1, RUN_ARGS, env=ENV) as cluster:
         cluster.start_all()
         cluster.start(3)  # the spare: a fourth launcher for a job of three nodes waits in the rendezvous
-        cluster.wait_for_step(SPARE_AT)
+        cluster.wait_for_step(SPARE_AT, timeout=300)  # four launchers starting at once on 2 cores
         marks["spare"] = time.time()
         cluster.lose(_node_of_rank(cluster, 1))
-        cluster.wait_for_step(CORRUPT_AT, timeout=180)
+        cluster.wait_for_step(CORRUPT_AT, timeout=240)
         lost = _node_of_rank(cluster, 2)
         cluster.lose(lost)
         marks["corrupt"] = time.time()
@@ -84,14 +87,14 @@ def peers(tmp_path_factory, tiny_dataset):
         for path in corrupted:
             _flip(path)
         cluster.start(lost.rank)
-        cluster.wait_for_step(BOTH_AT, timeout=180)
+        cluster.wait_for_step(BOTH_AT, timeout=240)
         first, holder = _node_of_rank(cluster, 0), _node_of_rank(cluster, 1)
         marks["both"] = time.time()
         cluster.lose(first)
         cluster.lose(holder)
         cluster.start(first.rank)
         cluster.start(holder.rank)
-        codes = cluster.run_to_end(timeout=180)
+        codes = cluster.run_to_end(timeout=240)
         yield {"cluster": cluster, "codes": codes, "marks": marks, "corrupted": corrupted}
 
 

@@ -62,19 +62,24 @@ def resolve_count(setting: int | str, nodes: int) -> int:
 
 
 def holders(nodes: list[str], racks: list[str], count: int) -> list[list[int]]:
-    """Per rank (``nodes[r]``: its node's id, ``racks[r]``: its rack or ''), the ranks that hold its replicas."""
+    """Per rank (``nodes[r]``: its node's id, ``racks[r]``: its rack or ''), the ranks that hold its replicas: the
+    next nodes in the ring; where racks are known, nodes of another rack first, the least loaded of them first, so
+    that no node holds far more than the others."""
     order = list(dict.fromkeys(nodes))
     members = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
     rack_of = {nodes[r]: racks[r] for r in range(len(nodes))}
     known = all(rack_of.values()) and len(set(rack_of.values())) > 1
-    plan: list[list[int]] = []
-    for rank, node in enumerate(nodes):
-        i, local = order.index(node), members[node].index(rank)
+    load = dict.fromkeys(order, 0)
+    chosen: dict[str, list[str]] = {}
+    for i, node in enumerate(order):
         ring = [order[(i + k) % len(order)] for k in range(1, len(order))]
-        if known:  # another rack first, each group in ring order
-            ring.sort(key=lambda other: rack_of[other] == rack_of[node])
-        plan.append([members[other][local % len(members[other])] for other in ring[:count]])
-    return plan
+        if known:  # another rack first; among those, the least loaded, then the nearest in the ring
+            ring.sort(key=lambda other: (rack_of[other] == rack_of[node], load[other]))
+        chosen[node] = ring[:count]
+        for other in chosen[node]:
+            load[other] += 1
+    return [[members[other][members[node].index(rank) % len(members[other])] for other in chosen[node]]
+            for rank, node in enumerate(nodes)]
 
 
 # ---- the wire: a JSON head, a blob (a header file), then raw bytes -----------------------------------------------

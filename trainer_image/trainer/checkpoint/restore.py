@@ -2,11 +2,11 @@
 
 Each rank knows the snapshots it holds in memory (this process's slots, or the node-local ones a previous process on
 this node published) and the replicas it holds of other ranks' snapshots (the peer tier, ``replicas``); rank 0
-lists the persistent tier's committed steps. The step restored is the newest one every rank can reach in memory: in
-its own slots, else from a replica on another node; only when there is none, the newest one every rank can reach
-with the disk too. So after a node is lost and its ranks come back on a replacement pod or a spare, those ranks
-fetch their replicas from the nodes holding them, the other ranks restore from their node-local snapshots, and no
-checkpoint file is read; when a node and every holder of its replicas are lost, its ranks read the persistent
+lists the persistent tier's committed steps. The step restored is the newest one every rank can reach, and each rank
+reads it from the nearest tier that holds it: its own slots, else a replica on another node, else the disk. So
+after a node is lost and its ranks come back on a replacement pod or a spare, those ranks fetch their replicas from
+the nodes holding them, the other ranks restore from their node-local snapshots, and no checkpoint file is read
+(unless the disk holds a newer step than the replicas: a fault while the newest snapshot was being pushed); when a node and every holder of its replicas are lost, its ranks read the persistent
 tier (one line each says so). A snapshot or replica that fails its check is dropped by its rank, and that rank
 tries the next tier for the same step (a replica, then the disk); a checkpoint on disk that fails its check is moved
 aside (``step-X.corrupt-<reason>``), and the next candidate is tried. Each rank logs where its state came from and
@@ -48,15 +48,12 @@ class Candidates:
     """Checkpoints on disk that failed verification (moved aside)."""
 
     def newest(self) -> int | None:
-        """The newest step every rank can reach in memory (its own or a peer's), else the newest every rank can
-        reach with the disk; None when there is none."""
+        """The newest step every rank can reach: in its memory, a peer's replica, or on disk; None when there is
+        none."""
         peer = self.peer or [{} for _ in self.held]
-        in_memory = [held | set(replicas) for held, replicas in zip(self.held, peer)]
-        for reach in (in_memory, [steps | set(self.disk) for steps in in_memory]):
-            common = set.intersection(*reach) if reach else set()
-            if common:
-                return max(common)
-        return None
+        reach = [held | set(replicas) | set(self.disk) for held, replicas in zip(self.held, peer)]
+        common = set.intersection(*reach) if reach else set()
+        return max(common) if common else None
 
     def sources(self, step: int) -> list[str]:
         """Per rank: where it reads ``step`` from: its own snapshot (``own``), a peer's replica, else the disk."""
