@@ -21,6 +21,7 @@ persisted is held, and a snapshot is never skipped because the disk is slow.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -120,6 +121,14 @@ def map_file(path: Path, nbytes: int, allocate: bool = False) -> torch.Tensor:
 
 
 def config_hash(config_json: str) -> str:
+    """The run's configuration, less where a node keeps its snapshots (``checkpoint.node_local_dir``, which may differ
+    between a lost node and its replacement, whose ranks take the lost node's snapshots from the peer tier)."""
+    try:
+        config = json.loads(config_json)
+        config.get("checkpoint", {}).pop("node_local_dir", None)
+        config_json = json.dumps(config, sort_keys=True)
+    except (ValueError, AttributeError):  # not a config of sections: hashed as it is
+        pass
     return hashlib.sha256(config_json.encode()).hexdigest()
 
 
