@@ -110,14 +110,14 @@ def _receive_file(sock: socket.socket, path: Path, nbytes: int) -> None:
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, max(nbytes, 1))
-        with mmap.mmap(fd, max(nbytes, 1)) as mapped:
-            view, done = memoryview(mapped), 0
+        with mmap.mmap(fd, max(nbytes, 1)) as mapped, memoryview(mapped) as view:
+            done = 0
             while done < nbytes:
-                got = sock.recv_into(view[done:min(nbytes, done + _PIECE)])
+                with view[done:min(nbytes, done + _PIECE)] as part:  # released before the mapping closes
+                    got = sock.recv_into(part)
                 if not got:
                     raise ConnectionError("the peer closed the connection mid-copy")
                 done += got
-            view.release()
     finally:
         os.close(fd)
 
