@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 import pytest
@@ -27,7 +28,7 @@ from test_nodes import ENV
 from test_recovery import BASE, GRACE, VENV_BIN, _run, events, node_dir
 from trainer.checkpoint import load_model_weights
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial, pytest.mark.timeout(600)]  # four launchers on 2 cores
 
 STEPS = 30
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -120,16 +121,20 @@ def test_a_spare_takes_a_lost_nodes_place_restoring_from_the_peer_tier_without_r
 
 
 def test_a_corrupted_replica_is_refused_and_the_next_tier_used(peers):
+    """Every replica of rank 2 corrupted: each is refused by its checksum and rank 2 reads the disk (the others their
+    memory where it holds the step the disk has, else the disk too: the newest step every rank can reach)."""
     assert peers["corrupted"], f"no replica of rank 2 found on a live node {WHY}"
     r = _recovered_after(peers, "corrupt")
-    assert r["tiers"] == {"node-local": [0, 1], "disk": [2]}, f"{r} {WHY}"
-    assert r["bytes_read"]["peer"] > 0 and r["bytes_read"]["disk"] > 0, f"{r} {WHY}"
+    assert 2 in r["tiers"].get("disk", []) and "peer" not in r["tiers"], f"{r} {WHY}"
+    assert r["bytes_read"].get("peer", 0) > 0 and r["bytes_read"].get("disk", 0) > 0, f"{r} {WHY}"
     out = "".join(n.output() for n in peers["cluster"].nodes)
-    assert "the peer tier's replica of step" in out and "checksum mismatch" in out, f"{WHY}"
+    assert re.search(r"the peer tier's replica of step \d+ is unusable \(checksum mismatch", out), WHY
 
 
 def test_a_node_lost_with_its_replica_holder_reads_the_persistent_tier(peers):
+    """Ranks 0 and 1 lost together: rank 1 held rank 0's replicas, so rank 0 reads the disk and says why in one line;
+    rank 1's replica on rank 2's node is fetched where the step is not read from disk by every rank."""
     r = _recovered_after(peers, "both")
-    assert r["tiers"] == {"disk": [0], "node-local": [2], "peer": [1]}, f"{r} {WHY}"
+    assert 0 in r["tiers"].get("disk", []) and 2 not in r["tiers"].get("peer", []), f"{r} {WHY}"
     out = "".join(n.output() for n in peers["cluster"].nodes)
-    assert "its node and every holder of its replicas lost" in out, WHY
+    assert "no replica of it on a live node (its node and every holder of its replicas lost)" in out, WHY

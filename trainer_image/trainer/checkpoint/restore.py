@@ -80,6 +80,7 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
                 peer[source].update({s: holder for s in steps if s not in peer[source]})
     found = Candidates([set(h) for h, _ in reports],
                        coord.broadcast(committed_steps(mgr.dir) if mgr.rank == 0 else None) or [], peer)
+    replicated = bool(peer[mgr.rank])  # before any replica is refused
     while (step := found.newest()) is not None:
         sources = found.sources(step)
         mine = sources[mgr.rank]
@@ -88,7 +89,7 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
         elif mine == PEER:
             problem = _from_peer(mgr, state, step, found.peer[mgr.rank][step], while_copying)
         else:
-            if OWN in sources or PEER in sources:  # some ranks restore from memory, this one cannot
+            if mgr.replicas is not None and not found.held[mgr.rank] and not replicated:  # a node new to the job
                 log.warning("rank %d: no snapshot of step %d in this node's memory and no replica of it on a live "
                             "node (its node and every holder of its replicas lost): reading the persistent tier",
                             mgr.rank, step)
