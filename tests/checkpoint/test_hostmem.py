@@ -41,7 +41,7 @@ def test_a_trainer_whose_slots_do_not_fit_exits_2_with_one_line(tmp_path, tiny_d
         [sys.executable, "-m", "trainer", "--config", "tiny", f"--data.path={tiny_dataset}",
          f"--train.run_dir={tmp_path / 'run'}", f"--checkpoint.node_local_dir={tmp_path / 'node'}",
          "--checkpoint.memory_slots=20000"],  # 20,000 copies of a 48 MB state: about 1 TB
-        capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+        capture_output=True, text=True, timeout=240, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert result.returncode == ExitCode.CONFIG_ERROR, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "config error:" in line]
     assert len(lines) == 1 and "config error: host memory for snapshots" in lines[0], result.stderr[-3000:]
