@@ -103,7 +103,7 @@ class CheckpointConfig:
     """Peer tier: each rank's newest snapshot is also copied, in the background and from its slot's file, into the
     host memory (``node_local_dir``) of a rank on each of the next N nodes (``checkpoint/replicas.py``), so a lost
     node's ranks restore from memory instead of ``dir``. ``auto``: 1 where the job has 2 or more nodes, else 0;
-    more than the other nodes is capped at them. Each holder keeps 2 replicas per rank it holds for."""
+    more than the other nodes is capped at them. A holder mirrors the slots (``memory_slots``) of each rank it holds for."""
     device_staging: str = "auto"
     """CUDA: copy a snapshot first into a device buffer laid out like its slot (device-to-device, ~10 ms for 18 GB)
     and drain that buffer to host memory in the background, so the next ``optimizer.step()`` waits only for the

@@ -1,7 +1,7 @@
 """Host memory for the snapshot slots and the peer tier's replicas, checked at start: the one concern of this module.
 
 A node's ranks each hold ``checkpoint.memory_slots`` slots of their own state and, for every rank whose replicas
-they hold, ``replicas.REPLICA_SLOTS`` replicas (each rank holds for ``checkpoint.replicas`` ranks on average). All of
+they hold, a mirror of its slots (each rank holds for ``checkpoint.replicas`` ranks). All of
 it lives in files of ``checkpoint.node_local_dir`` (a memory ``emptyDir``, whose pages count against the pod's memory
 limit). The need is computed from the model before the first snapshot and compared with that directory's free
 space and, where a cgroup memory limit is set, with what the limit leaves; the files this job already has there

@@ -34,7 +34,7 @@ from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy
-from trainer.checkpoint.replicas import REPLICA_SLOTS, Replicator
+from trainer.checkpoint.replicas import Replicator
 from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
 from trainer.checkpoint.staging import Drain, choose_copier
@@ -302,7 +302,7 @@ class CheckpointManager:
         if not self.cfg.node_local:
             return
         model = [local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()]
-        replicas = REPLICA_SLOTS * self.replicas.count if self.replicas is not None else 0
+        replicas = self.cfg.memory_slots * self.replicas.count if self.replicas is not None else 0  # mirrored slots
         hostmem.check(self.snapshots.dir, predicted_bytes(model, _SLOT_ALIGN), self.cfg.memory_slots, replicas,
                       self.env.local_world_size)
 

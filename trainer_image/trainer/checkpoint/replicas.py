@@ -10,10 +10,12 @@ GPU: once a slot's node-local header is published (``SnapshotStore.on_published`
 slot's file to each holder over a socket (``sendfile``: the bytes the device-to-host copy already landed), while
 training goes on. A slot is restaged only after its push finished (``Slot.published``), so no push is torn.
 
-**A holder** serves its replicas from a socket of its own (``ReplicaServer``, one thread per connection): it keeps
-``REPLICA_SLOTS`` replicas per rank it holds for, in its node-local directory (``peer-rank-<r>.slot-<j>.data``, and
-the header as the source published it, renamed into place last: job, rank, world size, config hash, step, layout,
-checksum, the rank's non-tensor state). A replica of a step older than one it holds is never taken for newer.
+**A holder** serves its replicas from a socket of its own (``ReplicaServer``, one thread per connection). It mirrors
+the source's slots: slot j of rank r goes to ``peer-rank-<r>.slot-<j>.data`` in its node-local directory, with the
+header as the source published it (job, rank, world size, config hash, step, layout, checksum, the rank's non-tensor
+state), renamed into place last. So the replicas hold the steps the source's own memory holds (the slot a slow
+persistent write keeps locked included), which the other ranks' memory holds too: a step every rank can reach. A
+replica of a step at or beyond the one arriving (a future the job did not keep) is dropped first.
 
 **At restore** (``restore.py``) each rank reports the replicas it holds; a rank that lacks the chosen step in its own
 memory fetches it from a holder into one of its own slot files, where the node-local tier's guards and checksum
@@ -41,8 +43,6 @@ from trainer.checkpoint.slots import SNAPSHOT_FORMAT, Slot, SnapshotStore
 
 log = logging.getLogger(__name__)
 
-REPLICA_SLOTS = 2
-"""Replicas a holder keeps per rank: the newest stays valid while the next one arrives."""
 RACK_ENV = "TRAINER_NODE_RACK"
 """This node's rack (or any failure domain), e.g. from the node's topology label; unset: unknown."""
 ADDR_ENV = "TRAINER_REPLICA_ADDR"
@@ -51,6 +51,7 @@ NODE_ENV = "TRAINER_NODE_ID"
 _HEAD = struct.Struct("!II")  # JSON length, blob length
 _PIECE = 16 << 20
 _TIMEOUT_S = 60.0
+_MAX_SLOTS = 64
 _NAME = re.compile(r"peer-rank-(\d{5})\.slot-(\d+)\.meta$")
 
 
@@ -178,22 +179,18 @@ class ReplicaServer:
                 head, blob = _receive(conn)
                 if head.get("job") != self.store.job:
                     _send(conn, {"ok": False, "why": "another job"})
-                elif head.get("op") == "put":
-                    self._put(conn, int(head["rank"]), int(head["step"]), int(head["nbytes"]), blob)
+                elif head.get("op") == "put" and 0 <= int(head["slot"]) < _MAX_SLOTS:
+                    self._put(conn, int(head["rank"]), int(head["slot"]), int(head["step"]), int(head["nbytes"]), blob)
                 elif head.get("op") == "get":
                     self._get(conn, int(head["rank"]), int(head["step"]))
             except Exception as exc:  # noqa: BLE001 - one failed transfer; the source logs it, the next one may pass
                 log.warning("peer tier: a transfer with %s failed: %s", _peer(conn), exc)
 
-    def _put(self, conn: socket.socket, rank: int, step: int, nbytes: int, header: bytes) -> None:
+    def _put(self, conn: socket.socket, rank: int, index: int, step: int, nbytes: int, header: bytes) -> None:
         with self._locks[rank]:
-            steps = self.held().get(rank, {})
-            stale = [i for s, i in steps.items() if s >= step]  # a future the job did not keep, or this step again
-            for index in stale:
-                self._paths(rank, index)[0].unlink(missing_ok=True)
-            kept = sorted((s, i) for s, i in steps.items() if s < step)  # oldest first
-            free = [i for i in range(REPLICA_SLOTS) if i not in {i for _, i in kept}]
-            index = free[0] if free else kept[0][1]
+            for held_step, other in self.held().get(rank, {}).items():
+                if held_step >= step:  # a future the job did not keep, or this step again
+                    self._paths(rank, other)[0].unlink(missing_ok=True)
             meta_path, data_path = self._paths(rank, index)
             meta_path.unlink(missing_ok=True)
             _receive_file(conn, data_path, nbytes)
@@ -286,8 +283,8 @@ class Replicator:
             try:
                 with socket.create_connection(self.addresses[target], timeout=_TIMEOUT_S) as sock:
                     nbytes = slot.data_path.stat().st_size
-                    _send(sock, {"op": "put", "job": self.store.job, "rank": self.store.rank, "step": step,
-                                 "nbytes": nbytes}, slot.meta_path.read_bytes())
+                    _send(sock, {"op": "put", "job": self.store.job, "rank": self.store.rank, "slot": slot.index,
+                                 "step": step, "nbytes": nbytes}, slot.meta_path.read_bytes())
                     _send_file(sock, slot.data_path, nbytes)
                     head, _ = _receive(sock)
                 if not head.get("ok"):
