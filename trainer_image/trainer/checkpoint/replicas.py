@@ -17,7 +17,8 @@ state), renamed into place last. So the replicas hold the steps the source's own
 persistent write keeps locked included), which the other ranks' memory holds too: a step every rank can reach. A
 replica of a step at or beyond the one arriving (a future the job did not keep) is dropped first.
 
-**At restore** (``restore.py``) each rank reports the replicas it holds; a rank that lacks the chosen step in its own
+A node's own slots of a rank it no longer runs (a new rendezvous numbered the nodes otherwise: a spare took a place
+between them) are served like replicas. **At restore** (``restore.py``) each rank reports what it holds; a rank that lacks the chosen step in its own
 memory fetches it from a holder into one of its own slot files, where the node-local tier's guards and checksum
 check it like any snapshot found on the node (a bad one is refused, and the next tier is used).
 """
@@ -52,7 +53,7 @@ _HEAD = struct.Struct("!II")  # JSON length, blob length
 _PIECE = 16 << 20
 _TIMEOUT_S = 60.0
 _MAX_SLOTS = 64
-_NAME = re.compile(r"peer-rank-(\d{5})\.slot-(\d+)\.meta$")
+_NAME = re.compile(r"(peer-)?rank-(\d{5})\.slot-(\d+)\.meta$")
 
 
 def resolve_count(setting: int | str, nodes: int) -> int:
@@ -144,11 +145,14 @@ class ReplicaServer:
         stem = f"peer-rank-{rank:05d}.slot-{index}"
         return self.store.dir / f"{stem}.meta", self.store.dir / f"{stem}.data"
 
-    def held(self) -> dict[int, dict[int, int]]:
-        """Source rank -> {step: slot index} of the replicas held here for this job, world size and config."""
-        out: dict[int, dict[int, int]] = defaultdict(dict)
-        for meta_path in sorted(self.store.dir.glob("peer-rank-*.meta")):
+    def held(self) -> dict[int, dict[int, Path]]:
+        """Source rank -> {step: header} of the snapshots held here for this job, world size and config: the replicas,
+        and the node's own slots of a rank it no longer runs (a new rendezvous numbered its ranks otherwise)."""
+        out: dict[int, dict[int, Path]] = defaultdict(dict)
+        for meta_path in sorted(self.store.dir.glob("*rank-*.slot-*.meta")):
             match = _NAME.match(meta_path.name)
+            if match and not match.group(1) and int(match.group(2)) == self.store.rank:
+                continue  # this rank's own slots: the node-local tier's
             try:
                 meta = torch.load(meta_path, map_location="cpu", weights_only=True) if match else None
             except Exception:  # noqa: BLE001 - half-written or foreign: not a replica
@@ -158,10 +162,10 @@ class ReplicaServer:
             if (meta.get("job"), meta.get("world_size"), meta.get("config_hash")) != \
                     (self.store.job, self.store.world_size, self.store.config_hash):
                 continue
-            rank, index = int(match.group(1)), int(match.group(2))  # type: ignore[union-attr]
-            data = self._paths(rank, index)[1]
+            rank = int(match.group(2))  # type: ignore[union-attr]
+            data = meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
             if data.is_file() and data.stat().st_size == meta.get("nbytes") and meta.get("rank") == rank:
-                out[rank][int(meta["step"])] = index
+                out[rank][int(meta["step"])] = meta_path
         return dict(out)
 
     def _accept(self) -> None:
@@ -189,8 +193,8 @@ class ReplicaServer:
     def _put(self, conn: socket.socket, rank: int, index: int, step: int, nbytes: int, header: bytes) -> None:
         with self._locks[rank]:
             for held_step, other in self.held().get(rank, {}).items():
-                if held_step >= step:  # a future the job did not keep, or this step again
-                    self._paths(rank, other)[0].unlink(missing_ok=True)
+                if held_step >= step and other.name.startswith("peer-"):  # a future the job did not keep, or again
+                    other.unlink(missing_ok=True)
             meta_path, data_path = self._paths(rank, index)
             meta_path.unlink(missing_ok=True)
             _receive_file(conn, data_path, nbytes)
@@ -201,11 +205,11 @@ class ReplicaServer:
 
     def _get(self, conn: socket.socket, rank: int, step: int) -> None:
         with self._locks[rank]:
-            index = self.held().get(rank, {}).get(step)
-            if index is None:
+            meta_path = self.held().get(rank, {}).get(step)
+            if meta_path is None:
                 _send(conn, {"ok": False, "why": f"no replica of rank {rank}'s step {step} here"})
                 return
-            meta_path, data_path = self._paths(rank, index)
+            data_path = meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
             nbytes = data_path.stat().st_size
             _send(conn, {"ok": True, "nbytes": nbytes}, meta_path.read_bytes())
             _send_file(conn, data_path, nbytes)

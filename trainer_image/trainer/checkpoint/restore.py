@@ -76,7 +76,7 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
     peer: list[dict[int, int]] = [{} for _ in reports]
     for holder, (_, theirs) in enumerate(reports):
         for source, steps in theirs.items():
-            if source < len(peer) and source != holder:
+            if source < len(peer):  # a rank may hold its own (renumbered) replica: fetched over loopback
                 peer[source].update({s: holder for s in steps if s not in peer[source]})
     found = Candidates([set(h) for h, _ in reports],
                        coord.broadcast(committed_steps(mgr.dir) if mgr.rank == 0 else None) or [], peer)
