@@ -12,6 +12,10 @@
 # rank of another node that exits with a permanent code stops this node too, with the same code.
 #
 # Knobs (environment; the trainer checks the ones that must nest with its own config):
+#   TRAINER_NODES                       nodes that train (the rendezvous's size); the pods beyond it (PET_NNODES -
+#                                       TRAINER_NODES, the job's spare_nodes) wait in the rendezvous as spares, and one
+#                                       takes a lost node's place without waiting for a pod to be scheduled. Default:
+#                                       PET_NNODES (no spares)
 #   FT_MAX_RESTARTS                     in-job restart budget (worker-group restarts), default 3
 #   FT_INITIAL_RANK_HEARTBEAT_TIMEOUT   s until the first heartbeat: start-up + checkpoint load, default 1800
 #   FT_RANK_HEARTBEAT_TIMEOUT           s between heartbeats until learned from observed steps and saves;
@@ -118,6 +122,14 @@ case "$standby" in
 esac
 
 [[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]] || { log "PET_NNODES must be N or MIN:MAX; got '$nnodes'"; exit "$CONFIG_ERROR"; }
+spares=0
+if [[ -n "${TRAINER_NODES:-}" ]]; then  # spare pods: the operator counts them in PET_NNODES, the rendezvous must not
+  if ! [[ "$TRAINER_NODES" =~ ^[1-9][0-9]*$ && "$nnodes" =~ ^[0-9]+$ ]] || (( TRAINER_NODES > nnodes )); then
+    log "TRAINER_NODES must be a number of nodes from 1 to PET_NNODES ($nnodes); got '$TRAINER_NODES'"
+    exit "$CONFIG_ERROR"
+  fi
+  spares=$(( nnodes - TRAINER_NODES )) nnodes=$TRAINER_NODES
+fi
 for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:$master_port" \
             "FT_MAX_RESTARTS:$max_restarts" "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:$initial_hb" \
             "FT_RANK_HEARTBEAT_TIMEOUT:$rank_hb" "FT_TERM_TIMEOUT:$term_timeout" \
@@ -308,7 +320,9 @@ trap 'forward TERM' TERM
 trap 'forward INT' INT
 trap stop_launcher USR1
 
-log "ft_launcher: ${nnodes} node(s) x ${nproc} worker(s), node rank ${node_rank}, rendezvous ${master_addr}:${master_port}, max restarts ${max_restarts}"
+spare_note=""
+(( spares )) && spare_note=" (${spares} more pod(s) of the job wait in the rendezvous as spares)"
+log "ft_launcher: ${nnodes} node(s) x ${nproc} worker(s)${spare_note}, node rank ${node_rank}, rendezvous ${master_addr}:${master_port}, max restarts ${max_restarts}"
 lost_since=""  # when this node lost the rendezvous, while it has not found it again
 while :; do
   began=$SECONDS

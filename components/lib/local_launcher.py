@@ -139,7 +139,10 @@ class LocalJobSpec:
     nproc_per_node: int = 2
     """Processes ft_launcher starts (env NPROC_PER_NODE)."""
     nodes: int = 1
-    """Entrypoints, one per node (env PET_NNODES, PET_NODE_RANK)."""
+    """Entrypoints that train, one per node (env PET_NODE_RANK)."""
+    spare_nodes: int = 0
+    """More entrypoints that wait in the rendezvous as spares (env PET_NNODES = nodes + spare_nodes, TRAINER_NODES =
+    nodes); one takes a lost node's place. The launcher counts them and says when the last one is in use."""
     ft_max_restarts: int = 3
     """In-job restart budget of ft_launcher (env FT_MAX_RESTARTS)."""
     max_cluster_restarts: int = 0
@@ -166,7 +169,7 @@ class LocalJobSpec:
         for name in ("nproc_per_node", "nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("ft_max_restarts", "max_cluster_restarts"):
+        for name in ("ft_max_restarts", "max_cluster_restarts", "spare_nodes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 
@@ -295,7 +298,10 @@ class _Run:
         self.replaced = 0
         self.log_file: TextIO | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix=f"train-launch-{number}."))
-        self.memory = _node_memory_base(spec.args, self.marker) if spec.nodes > 1 else None
+        self.pods = spec.nodes + spec.spare_nodes
+        self.spares = spec.spare_nodes
+        """Spares waiting in the rendezvous: one fewer per node lost while the others run, one more per replacement."""
+        self.memory = _node_memory_base(spec.args, self.marker) if self.pods > 1 else None
 
     def launch(self) -> tuple[int, list[str], str | None, float]:
         """Run every node until the job ends; (code, log tail, log file, seconds)."""
@@ -311,7 +317,7 @@ class _Run:
         return code, list(self.tail), str(self.log_path) if self.log_path else None, time.monotonic() - began
 
     def _supervise(self) -> int:
-        for node in range(self.spec.nodes):
+        for node in range(self.pods):
             self._start(node)
         if self.spec.state_dir:
             _write_state(Path(self.spec.state_dir), self.procs[0].pid, self.marker)
@@ -327,12 +333,15 @@ class _Run:
                         continue
                     code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode  # -N: signal N
                     running = [k for k in self.procs if k != node and k not in ended]
+                    if is_retryable(code) and running and self.spares:
+                        self._spare_used(node, code)
                     if is_retryable(code) and running and self.replaced < self.spare:
                         self.replaced += 1
                         self.launcher._say(f"[train] node {node} exited {exit_name(code)} while the others run: "
                                            f"starting it again, as a replacement pod ({self.replaced} node "
                                            "restart(s) in this launch)")
                         self._start(node)
+                        self.spares += bool(self.spec.spare_nodes)  # the replacement waits as a spare in turn
                         continue
                     ended[node] = code
                     if code and running:  # a permanent exit stops the others by itself; an unreplaced node never
@@ -349,6 +358,12 @@ class _Run:
         codes = list(ended.values())
         permanent = [c for c in codes if 0 < c < RETRYABLE_MIN]
         return permanent[0] if permanent else next((c for c in codes if c), 0)
+
+    def _spare_used(self, node: int, code: int) -> None:
+        self.spares -= 1
+        left = f"{self.spares} of {self.spec.spare_nodes} spare node(s) left" if self.spares else \
+            "that was the last spare node: the next node lost waits for a replacement"
+        self.launcher._say(f"[train] node {node} exited {exit_name(code)}: a spare node takes its place ({left})")
 
     def _stop_others(self, ended: dict[int, int], gracefully: bool) -> None:
         """The job cannot go on: wait for the other nodes to stop by themselves (a permanent exit), or SIGTERM them
@@ -369,14 +384,15 @@ class _Run:
             ended[node] = 128 - proc.returncode if proc.returncode < 0 else proc.returncode
 
     def _start(self, node: int) -> None:
-        spec, several = self.spec, self.spec.nodes > 1
+        spec, several = self.spec, self.pods > 1
         incarnation = self.incarnations[node] = self.incarnations.get(node, -1) + 1
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.port),
             **spec.env,
-            "PET_NNODES": str(spec.nodes),
+            "PET_NNODES": str(self.pods),
+            **({"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes else {}),
             "PET_NODE_RANK": str(node),
             "NPROC_PER_NODE": str(spec.nproc_per_node),
             "FT_MAX_RESTARTS": str(spec.ft_max_restarts),

@@ -117,6 +117,9 @@ class PipelineParams:
     """Save a checkpoint every N steps (and at the end); must be < steps."""
     nodes: int = 1
     """Training pods (PyTorchJob Master + Workers); the local backend runs one entrypoint per node on this machine."""
+    spare_nodes: int = 0
+    """Pods beyond ``nodes`` that wait in the rendezvous as spares: one takes a lost node's place at once, without
+    waiting for a pod to be scheduled (its ranks restore from the peer tier); a lost pod's replacement becomes one."""
     gpus_per_node: int = 0
     """GPUs (= ranks) per node; 0 trains on CPU with procs_per_node ranks (gloo)."""
     procs_per_node: int = 2
@@ -220,6 +223,7 @@ class PipelineParams:
         e: list[str] = []
         _range(e, "steps", self.steps, 1, MAX_STEPS)
         _range(e, "nodes", self.nodes, 1, MAX_NODES)
+        _range(e, "spare_nodes", self.spare_nodes, 0, MAX_NODES)
         _range(e, "gpus_per_node", self.gpus_per_node, 0, MAX_GPUS_PER_NODE)
         _range(e, "procs_per_node", self.procs_per_node, 1, MAX_PROCS_PER_NODE)
         _range(e, "ft_max_restarts", self.ft_max_restarts, 0, MAX_RESTARTS)

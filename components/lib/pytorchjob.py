@@ -65,6 +65,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 FT_MAX_RESTARTS_ENV = "FT_MAX_RESTARTS"
 NODE_NAME_ENV = "NODE_NAME"
 """The training pods' node name (downward API), which the trainer's host-naming lines read."""
+NODES_ENV = "TRAINER_NODES"
+"""entrypoint.sh: the nodes that train; the job's other pods (``spare_nodes``) wait in the rendezvous as spares."""
 LOCAL_ADDR_ENV = "FT_LOCAL_ADDR"
 """entrypoint.sh: this node's address in the rendezvous (a fresh round numbers nodes in the order of these)."""
 NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
@@ -95,7 +97,7 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 # Set by the training-operator (rendezvous) or by this module; a user value would be overwritten.
 RESERVED_ENV = frozenset(
-    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, LOCAL_ADDR_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, LOCAL_ADDR_ENV, NODES_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
      "PYTHONUNBUFFERED"}
 )
 RESERVED_ENV_PREFIX = "PET_"
@@ -151,7 +153,10 @@ class TrainJobSpec:
     """Trainer CLI args, e.g. ("--config", ".../1b.toml", "--train.steps=1000")."""
     namespace: str = "default"
     nodes: int = 1
-    """Pods: one Master plus nodes-1 Workers."""
+    """Pods that train: one Master plus nodes-1 Workers."""
+    spare_nodes: int = 0
+    """More Workers that wait in the rendezvous as spares (``TRAINER_NODES`` = nodes): one takes a lost node's place
+    without waiting for a pod to be scheduled; a lost pod's replacement becomes a spare in turn."""
     nproc_per_node: int = 1
     """Ranks per pod; equals gpus_per_node when GPUs are used."""
     gpus_per_node: int = 0
@@ -215,7 +220,7 @@ def _spec_errors(s: TrainJobSpec) -> list[str]:
         errors.append("image must name the trainer image; got an empty string")
     if isinstance(s.args, str):
         errors.append(f"args must be a list of CLI arguments, not one string; got {s.args!r}")
-    for fname, low in (("nodes", 1), ("nproc_per_node", 1), ("gpus_per_node", 0), ("backoff_limit", 0),
+    for fname, low in (("nodes", 1), ("spare_nodes", 0), ("nproc_per_node", 1), ("gpus_per_node", 0), ("backoff_limit", 0),
                        ("active_deadline_seconds", 1), ("ttl_seconds_after_finished", 0),
                        ("ft_max_restarts", 0), ("max_cluster_restarts", 0)):
         value = getattr(s, fname)
@@ -305,6 +310,8 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
            # the headless Service the operator makes for that index (other pods resolve it)
            k8s.V1EnvVar(name=LOCAL_ADDR_ENV, value_from=k8s.V1EnvVarSource(
                field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))]
+    if spec.spare_nodes:  # the operator counts every pod in PET_NNODES; the rendezvous takes only `nodes` of them
+        env.append(k8s.V1EnvVar(name=NODES_ENV, value=str(spec.nodes)))
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
     if spec.credentials_secret:  # for the base model's download (trainer model.from_hf=hf://..., s3://...)
         env += [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
@@ -362,14 +369,15 @@ def _labels(spec: TrainJobSpec) -> dict[str, str]:
 
 
 def build_pytorchjob(spec: TrainJobSpec) -> KubeflowOrgV1PyTorchJob:
-    """The PyTorchJob for `spec`: one Master, nodes-1 Workers, restartPolicy ExitCode on each."""
+    """The PyTorchJob for `spec`: one Master, nodes-1+spare_nodes Workers, restartPolicy ExitCode on each."""
     if spec.model_initializer is not None:
         raise ValueError(f"TrainJobSpec {spec.name!r}: a PyTorchJob has no model initializer; pass the base model's "
                          "URI to the trainer (model.from_hf) and credentials_secret for its download")
     replicas = {MASTER: KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=RESTART_POLICY,
                                                  template=_pod_template(spec))}
-    if spec.nodes > 1:
-        replicas[WORKER] = KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy=RESTART_POLICY,
+    if spec.nodes + spec.spare_nodes > 1:
+        replicas[WORKER] = KubeflowOrgV1ReplicaSpec(replicas=spec.nodes + spec.spare_nodes - 1,
+                                                    restart_policy=RESTART_POLICY,
                                                     template=_pod_template(spec))
     return KubeflowOrgV1PyTorchJob(
         api_version=constants.API_VERSION,

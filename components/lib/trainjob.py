@@ -74,6 +74,7 @@ from components.lib.pytorchjob import (
     FT_MAX_RESTARTS_ENV,
     GPU_RESOURCE,
     NODE_NAME_ENV,
+    NODES_ENV,
     IMAGE_UID,
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -357,6 +358,8 @@ def build_trainjob(spec: TrainJobSpec, runtime: str | None = None) -> m.TrainerV
     env = [m.IoK8sApiCoreV1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts)),
            m.IoK8sApiCoreV1EnvVar(name=NODE_NAME_ENV, value_from=m.IoK8sApiCoreV1EnvVarSource(
                field_ref=m.IoK8sApiCoreV1ObjectFieldSelector(field_path="spec.nodeName")))]
+    if spec.spare_nodes:  # numNodes counts the spares; the rendezvous takes only `nodes` of them
+        env.append(m.IoK8sApiCoreV1EnvVar(name=NODES_ENV, value=str(spec.nodes)))
     env += [m.IoK8sApiCoreV1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
     if init:
         env.append(m.IoK8sApiCoreV1EnvVar(name=WORKSPACE_SUBPATH_ENV, value=init.workspace_subpath))
@@ -370,7 +373,7 @@ def build_trainjob(spec: TrainJobSpec, runtime: str | None = None) -> m.TrainerV
             active_deadline_seconds=spec.active_deadline_seconds,
             initializer=_initializer(init, spec.credentials_secret) if init else None,
             trainer=m.TrainerV1alpha1Trainer(
-                image=spec.image, args=list(spec.args), env=env, num_nodes=spec.nodes,
+                image=spec.image, args=list(spec.args), env=env, num_nodes=spec.nodes + spec.spare_nodes,
                 num_proc_per_node=spec.nproc_per_node, resources_per_node=_resources(spec)),
             runtime_patches=[_runtime_patch(spec)]))
 

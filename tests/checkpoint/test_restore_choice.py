@@ -7,23 +7,23 @@ from trainer.checkpoint.restore import Candidates, _ranges
 def test_a_node_that_joined_reads_disk_and_the_others_their_memory():
     found = Candidates(held=[{38, 40}, {38, 40}, set(), set()], disk=[20, 40])  # ranks 2-3: a replacement node
     assert found.newest() == 40
-    assert found.sources(40) == [True, True, False, False]
+    assert found.sources(40) == ["own", "own", "disk", "disk"]
 
 
 def test_a_step_only_some_ranks_hold_and_the_disk_lacks_is_not_chosen():
     found = Candidates(held=[{38, 40}, {38}, set()], disk=[20, 30])  # 40: rank 1 missed it, not on disk
     assert found.newest() == 30
-    assert found.sources(30) == [False, False, False]
+    assert found.sources(30) == ["disk", "disk", "disk"]
 
 
 def test_every_rank_in_memory_needs_no_disk():
     found = Candidates(held=[{8, 10}, {8, 10}], disk=[4])
-    assert found.newest() == 10 and found.sources(10) == [True, True]
+    assert found.newest() == 10 and found.sources(10) == ["own", "own"]
 
 
 def test_a_disk_step_newer_than_every_snapshot_is_read_by_all():
     found = Candidates(held=[{8}, {8}], disk=[8, 12])
-    assert found.newest() == 12 and found.sources(12) == [False, False]
+    assert found.newest() == 12 and found.sources(12) == ["disk", "disk"]
 
 
 def test_nothing_reachable_by_every_rank():

@@ -32,6 +32,8 @@ CASES = {
                                             tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
                                                           "effect": "NoSchedule"}])),
     "kueue 2 nodes": ("kueue", dict(nodes=2, nproc_per_node=8, gpus_per_node=8)),
+    "2 nodes and 2 spares": ("local-dev", dict(nodes=2, spare_nodes=2)),
+    "1 node and a spare": ("local-dev", dict(nodes=1, spare_nodes=1)),
 }
 
 
@@ -43,11 +45,14 @@ def test_launcher_pytorchjob_matches_crd_and_deployment(case):
     validate_object(manifest)
 
     replicas = manifest["spec"]["pytorchReplicaSpecs"]
-    assert sum(r["replicas"] for r in replicas.values()) == spec.nodes
+    assert sum(r["replicas"] for r in replicas.values()) == spec.nodes + spec.spare_nodes
     for replica in replicas.values():
         pod = replica["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+        # spares: every pod counts in PET_NNODES (the operator's); TRAINER_NODES is the rendezvous's size
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env.get("TRAINER_NODES") == (str(spec.nodes) if spec.spare_nodes else None)
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         # /dev/shm: a memory-backed emptyDir in the manifest itself (no PodDefault, no admission webhook).
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"

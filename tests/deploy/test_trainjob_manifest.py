@@ -60,6 +60,7 @@ CASES = {
         tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         labels={KUEUE_LABEL: "train-queue"}, service_account="trainer", ft_max_restarts=5,
         image_pull_secrets=["regcred", "mirror-cred"]),
+    "2 nodes and a spare": dict(nodes=2, spare_nodes=1),
 }
 
 
@@ -77,10 +78,11 @@ def test_trainjob_validates_and_carries_the_run(case):
     assert body["activeDeadlineSeconds"] == spec.active_deadline_seconds
     t = body["trainer"]
     assert (t["image"], t["args"], t["numNodes"], t["numProcPerNode"]) == (
-        spec.image, list(spec.args), spec.nodes, spec.nproc_per_node)
+        spec.image, list(spec.args), spec.nodes + spec.spare_nodes, spec.nproc_per_node)
     env = {e["name"]: e.get("value") for e in t["env"] if "value" in e}
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in t["env"]
-    assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **spec.env}
+    spares = {"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes else {}  # the rendezvous's size: the rest wait
+    assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **spares, **spec.env}
     assert t["resourcesPerNode"].get("limits", {}).get("nvidia.com/gpu") == (
         str(spec.gpus_per_node) if spec.gpus_per_node else None)
     (patch,) = body["runtimePatches"]

@@ -166,7 +166,7 @@ def node_entrypoint(tmp_path, plan):
         node = int(os.environ["PET_NODE_RANK"])
         log = Path({str(tmp_path / 'starts.jsonl')!r})
         n = sum(json.loads(line)["node"] == node for line in log.read_text().splitlines()) if log.exists() else 0
-        keys = ("PET_NNODES", "PET_NODE_RANK", "FT_LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT")
+        keys = ("PET_NNODES", "PET_NODE_RANK", "FT_LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT", "TRAINER_NODES")
         with log.open("a") as f:
             f.write(json.dumps({{"node": node, "n": n, "argv": sys.argv[1:],
                                  "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
@@ -211,6 +211,23 @@ def test_a_node_lost_while_the_other_runs_is_started_again(tmp_path):
     assert "node 1 exited 137 (KILLED) while the others run: starting it again" in out.getvalue()
     node1 = [s for s in starts(tmp_path) if s["node"] == 1]
     assert len(node1) == 2 and node1[0]["argv"][-1] != node1[1]["argv"][-1], "a new pod: new, empty memory"
+
+
+def test_spare_nodes_wait_in_the_rendezvous_and_the_last_one_used_is_said(tmp_path):
+    """2 nodes and a spare: three entrypoints for a rendezvous of two (PET_NNODES counts the pods, TRAINER_NODES the
+    rendezvous); a node lost while the others run uses the spare, and its replacement waits as the next spare."""
+    entry = node_entrypoint(tmp_path, [[("wait", "done")], [("exit", 137), ("wait", "done")], [("wait", "done")]])
+    out = io.StringIO()
+    with_done = threading.Timer(3.0, lambda: (tmp_path / "done").touch())
+    with_done.start()
+    result = LocalLauncher(out).run(spec(tmp_path, entry, nodes=2, spare_nodes=1, nproc_per_node=1,
+                                         max_cluster_restarts=1))
+    with_done.cancel()
+    firsts = [s for s in starts(tmp_path) if s["n"] == 0]
+    assert sorted(s["node"] for s in firsts) == [0, 1, 2]
+    assert {(s["env"]["PET_NNODES"], s["env"]["TRAINER_NODES"]) for s in firsts} == {("3", "2")}
+    assert "node 1 exited 137 (KILLED): a spare node takes its place (that was the last spare node" in out.getvalue()
+    assert result.launches[0].node_restarts == 1, "the lost node's replacement waits as a spare"
 
 
 def test_a_node_lost_with_no_restart_left_stops_the_job(tmp_path):

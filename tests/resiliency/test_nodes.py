@@ -5,7 +5,8 @@ fault-free run of the same ranks.
 One run takes a fault of every kind in turn, so the suite pays for one start: an exception and a GIL-free hang
 (in-process), a SIGKILL (in-job), a worker stopped with SIGSTOP (a hung node: its heartbeats stop, the in-job layer
 restarts every node), the ``node_lost`` fault (a node and its memory gone; the harness starts the replacement pod),
-the loss of the node hosting the rendezvous's store (the other node joins the rendezvous again), and a preemption
+the loss of the node hosting the rendezvous's store (the other node joins the rendezvous again; after each loss the
+new node's rank fetches its state from the replica in the other node's memory, the peer tier), and a preemption
 (SIGTERM to every pod: both exit 202, then both are started again and resume: the cluster layer). One more run: a
 permanent error on one node (every node stops after one attempt with its code). Every fault's step is drawn anew each
 run, so each lands at one distance or another from a snapshot; the seed is in every failure's message. Nothing of a run is left in node memory
@@ -34,7 +35,7 @@ STEPS = 34
 # One thread per worker: the reference runs both ranks on one node, where the default would give each half the cores
 # (and so other sums in the matmuls) than a node of one worker does.
 ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
-        *GRACE, *HANGS]
+        *GRACE, *HANGS, "--checkpoint.replicas=1"]  # the peer tier (off by default)
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6"}
 SEED = int.from_bytes(os.urandom(4), "little")
 DRAW = random.Random(SEED)
@@ -162,12 +163,12 @@ HANGS_BOUND_S = 8 + 1 + 30  # hard timeout + grace, then a restart of both nodes
 
 
 def _assert_tiers(recovered, joined_rank):
-    """The rank on the new node read the persistent tier; the other restored from its node's memory, or from disk when
-    its memory no longer held the newest step on disk (the newest step every rank can reach)."""
+    """The rank on the new node fetched its replica from the other node's memory (the peer tier), the other restored
+    from its own node's memory, and no byte of ``checkpoint.dir`` was read."""
     tiers = recovered["tiers"]
-    assert joined_rank in tiers.get("disk", []), f"{recovered} {WHY}"
-    assert set(tiers) <= {"node-local", "disk"} and sorted(r for ranks in tiers.values() for r in ranks) == [0, 1], \
-        f"{recovered} {WHY}"
+    assert tiers == {"peer": [joined_rank], "node-local": [1 - joined_rank]}, f"{recovered} {WHY}"
+    read = recovered["bytes_read"]
+    assert read.get("peer", 0) > 0 and read.get("disk", 0) == 0, f"{recovered} {WHY}"
 
 
 def test_a_lost_node_comes_back_on_a_replacement_pod_the_others_from_memory(layered):

@@ -100,6 +100,12 @@ class CheckpointConfig:
     node_local_dir: str = "/dev/shm"
     """Memory-backed directory for the snapshot slots (a memory ``emptyDir`` in Kubernetes); ``entrypoint.sh``
     gives each job its own subdirectory and removes it when the job ends."""
+    replicas: int | str = 0
+    """Peer tier: each rank's newest snapshot is also copied, in the background and from its slot's file, into the
+    host memory (``node_local_dir``) of a rank on each of the next N nodes (``checkpoint/replicas.py``), so a lost
+    node's ranks restore from memory instead of ``dir``. ``auto``: 1 where the job has 2 or more nodes, else 0;
+    more than the other nodes is capped at them. A holder mirrors the slots (``memory_slots``) of each rank it holds for.
+    0 (off) by default while a defect with three nodes and a spare is open (``CHECKPOINTS.md``, "The peer tier")."""
     device_staging: str = "auto"
     """CUDA: copy a snapshot first into a device buffer laid out like its slot (device-to-device, ~10 ms for 18 GB)
     and drain that buffer to host memory in the background, so the next ``optimizer.step()`` waits only for the
@@ -148,6 +154,11 @@ class CheckpointConfig:
                 f"got {self.interval!r}"
             )
         _choice(self, "checkpoint", "device_staging", ("auto", "on", "off"))
+        if isinstance(self.replicas, str) and self.replicas.strip().isdigit():
+            self.replicas = int(self.replicas)
+        if self.replicas != "auto" and not (isinstance(self.replicas, int) and self.replicas >= 0):
+            raise ConfigError(f"checkpoint.replicas must be a number of other nodes >= 0 (0 = no peer tier) or "
+                              f"\"auto\" (1 with 2 nodes or more); got {self.replicas!r}")
         if self.persist_every < 0:
             raise ConfigError(f"checkpoint.persist_every must be >= 0 (0 = only the final save); got {self.persist_every}")
         if self.memory_slots < 2:

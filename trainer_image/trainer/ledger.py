@@ -20,7 +20,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause.
 ``{"event": "restart", "layer", "resumed_step", "tier", "fault", "joined"}``
     Every rank, when training starts again after a fault (``pid`` shows whether the process survived); ``tier`` is
-    the checkpoint tier it resumed from (``memory``, ``node-local``, ``disk``, or null). ``layer`` is the layer that recovered it:
+    the checkpoint tier it resumed from (``memory``, ``node-local``, ``peer``, ``disk``, or null). ``layer`` is the layer that recovered it:
     ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes on the same nodes, started by
     their launchers), ``node`` (some ranks run on a node that joined the job: a replacement pod, a spare, while the
     other nodes stayed) or ``cluster`` (every node new: pod restarts or a pipeline retry, resuming from a
@@ -33,9 +33,11 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     kill, ft_launcher's heartbeat timeout, a lost node), otherwise the lower-case name of the first exit
     code other than the TERMINATED of ranks stopped for the restart (e.g. ``ranks_lost``). ``detail`` lists
     every rank's exit; ``time`` is the first exit's (null when none was recorded).
-``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone", "tiers"}``
+``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone", "tiers", "bytes_read"}``
     Rank 0, after the first productive (completed) step following a restart. ``tiers`` maps each tier the ranks
-    resumed from to those ranks (``{"node-local": [0, 1], "disk": [2, 3]}``). ``recovery_s`` is the time
+    resumed from to those ranks (``{"node-local": [0, 1], "peer": [2, 3]}``; ``peer``: a replica fetched from
+    another node's memory); ``bytes_read`` the bytes all ranks read from each tier during the restore, a refused
+    copy's included (``{"node-local": ..., "peer": ...}``: no ``disk`` key, no checkpoint file read). ``recovery_s`` is the time
     from the fault (or, when its time is unknown, from the restart) to that step's end; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
     the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
@@ -148,11 +150,12 @@ class Ledger:
                             "detail": f"{type(exc).__name__}: {exc}"}
 
     def on_train_start(self, iteration: int, resumed_step: int, tier: str | None = None,
-                       joined: list[int] | None = None, tiers: list[str | None] | None = None) -> None:
+                       joined: list[int] | None = None, tiers: list[str | None] | None = None,
+                       bytes_read: dict[str, int] | None = None) -> None:
         """Called by every rank when ``train()`` (re)starts, after the checkpoint is loaded from ``tier``
         (memory, node-local, disk; None when nothing was loaded). ``joined``: the ranks whose node is new to the job
         (``node_joined``, gathered), None when unknown (no entrypoint: every rank new at attempt 0, none after);
-        ``tiers``: every rank's ``tier``."""
+        ``tiers``: every rank's ``tier``; ``bytes_read``: bytes the ranks read per tier, summed."""
         self.iteration = iteration
         if joined is None:
             joined = list(range(self.world_size)) if self.attempt == 0 else []
@@ -177,7 +180,7 @@ class Ledger:
             by_tier: dict[str, list[int]] = {}
             for rank, where in enumerate(tiers or [tier]):
                 by_tier.setdefault(str(where), []).append(rank)
-            self._pending = {**record, "tiers": by_tier}
+            self._pending = {**record, "tiers": by_tier, "bytes_read": dict(sorted((bytes_read or {}).items()))}
 
     def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
         """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
@@ -201,7 +204,8 @@ class Ledger:
         self.write(
             "recovered", sync=False, layer=restart["layer"], step=step,
             fault_kind=fault["kind"], fault_step=fault.get("step"),
-            recovery_s=round(end - since, 3), steps_redone=redone, tiers=restart["tiers"], **extra,
+            recovery_s=round(end - since, 3), steps_redone=redone, tiers=restart["tiers"],
+            bytes_read=restart["bytes_read"], **extra,
         )
 
     def summarize(self, steps: int) -> dict[str, Any] | None:
@@ -296,3 +300,12 @@ def in_process_phases(since: float, marks: dict[str, float], origin: float) -> d
             continue
         phases[name], last = moment - last, moment
     return phases
+
+
+def sum_by_key(counts: list[dict[str, int]]) -> dict[str, int]:
+    """``[{"disk": 3}, {"disk": 1, "peer": 2}]`` -> ``{"disk": 4, "peer": 2}``."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for key, value in count.items():
+            total[key] = total.get(key, 0) + int(value)
+    return total

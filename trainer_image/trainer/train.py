@@ -320,7 +320,8 @@ def _steps(
     loss = torch.zeros((), device=device)
     t_last, steps_since_log = time.perf_counter(), 0
     # FT: ledger: start, or which layer restarted us (a node that joined: ``node``) and where each rank resumed from
-    ft.on_loop_start(progress.step, checkpointer.restored_from, gather=checkpointer.coord.all_gather)
+    ft.on_loop_start(progress.step, checkpointer.restored_from, gather=checkpointer.coord.all_gather,
+                     read=checkpointer.bytes_read)
     for step in range(first_step, cfg.train.steps + 1):
         profiler.step(step)
         collector.step(step)

@@ -28,12 +28,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import reaper, storage
+from trainer.checkpoint import hostmem, reaper, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy, interval_mtbf
+from trainer.checkpoint.replicas import Replicator
 from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
 from trainer.checkpoint.staging import Drain, choose_copier
@@ -68,6 +69,8 @@ class CheckpointManager:
         # what it creates there itself (reaper)
         reaper.reap(self.snapshots.dir, files=False)
         reaper.record(self.snapshots.dir, env.rank)
+        self.replicas = Replicator(self.snapshots, cfg.replicas) if cfg.node_local and cfg.replicas != 0 else None
+        """The peer tier (``replicas``): None when off (``checkpoint.replicas=0``, or no node-local tier)."""
         self.writer = Writer()
         self.coord = Coordination(coordination_timeout_s)
         self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
@@ -83,7 +86,9 @@ class CheckpointManager:
         self._closed = False
         self.rank, self.world_size = env.rank, env.world_size
         self.restored_from: str | None = None
-        """The tier the last ``load_latest`` restored from: memory, node-local, disk, or None."""
+        """The tier the last ``load_latest`` restored from: memory, node-local, peer, disk, or None."""
+        self.bytes_read: dict[str, int] = {}
+        """Bytes the last ``load_latest`` read on this rank per tier (memory, node-local, peer, disk)."""
         self.blocking_s: list[float] = []
         """Seconds the training loop was blocked by each memory checkpoint (staging, plus the write when synchronous)."""
         self.event_sink: Callable[..., None] = lambda event, **fields: None
@@ -106,6 +111,8 @@ class CheckpointManager:
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.snapshots.rebind(self.rank, self.world_size)
         reaper.record(self.snapshots.dir, self.rank)
+        if self.replicas is not None:
+            self.replicas.bind(self.coord)  # FT: who holds this rank's replicas, from this attempt's nodes
         self._bound = True
         self._live.invalidate()  # a new attempt builds a new model and optimizer
         staged = self.snapshots.staged()
@@ -146,6 +153,8 @@ class CheckpointManager:
         if job_over:  # FT: and what dead processes of the job left on this node (a rank SIGKILLed before the end)
             reaper.forget_own()
             reaper.reap(self.snapshots.dir, files=True)
+        if self.replicas is not None:  # its files first: the directory is removed once empty
+            self.replicas.close(remove=job_over)
         self.snapshots.close(remove=job_over)
 
     # ---- the loop's interface -----------------------------------------------------------------------------------
@@ -272,7 +281,8 @@ class CheckpointManager:
         problem = self._broadcast(problem)
         if problem:  # FT: exit 4 at start on every rank, not mid-run
             raise CheckpointStorageError(problem)
-        self.restored_from = None
+        self.restored_from, self.bytes_read = None, {}
+        self._check_host_memory(state)  # FT: exit 2 at start, not a full /dev/shm mid-run
         step = None
         if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
             step = restore_newest(self, state, while_copying or (lambda: None))
@@ -287,6 +297,15 @@ class CheckpointManager:
         self.policy.next_due = max(self.policy.next_due, (step or 0) + 1)
         self._prepare_slots(state)
         return step
+
+    def _check_host_memory(self, state: dict[str, Any]) -> None:
+        """This node's slots and replicas against its node-local directory and memory limit (``hostmem``)."""
+        if not self.cfg.node_local:
+            return
+        model = [local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()]
+        replicas = self.cfg.memory_slots * self.replicas.count if self.replicas is not None else 0  # mirrored slots
+        hostmem.check(self.snapshots.dir, predicted_bytes(model, _SLOT_ALIGN), self.cfg.memory_slots, replicas,
+                      self.env.local_world_size)
 
     def _prepare_slots(self, state: dict[str, Any]) -> None:
         """Have the snapshot slots reserved in the background from the end of the first step (the first ``save``

@@ -73,6 +73,8 @@ class PersistentTier:
         self.inflight: _Persist | None = None
         self.save_bytes = 0
         """One persistent checkpoint's bytes, summed over ranks (``estimate_save_bytes``)."""
+        self.bytes_read = 0
+        """Bytes of ``checkpoint.dir`` the last ``read`` read on this rank (its manifest and the shards it verified)."""
         self.last_committed: int | None = None
         self.last_committed_at: float | None = None
         """When the newest committed checkpoint's snapshot was taken (monotonic; this process only)."""
@@ -317,6 +319,8 @@ class PersistentTier:
         ``(reason, message)``; none when it was restored."""
         step_dir = self.dir / step_dir_name(step)
         started = time.perf_counter()
+        manifest_file = step_dir / "manifest.json"
+        self.bytes_read = manifest_file.stat().st_size if manifest_file.is_file() else 0
         manifest, reason, message = read_manifest(step_dir)
         problems = [(reason, message)] if manifest is None else self._check_files(step_dir, manifest, state)
         if not problems:
@@ -350,6 +354,7 @@ class PersistentTier:
         except CheckpointError as exc:
             return [("mismatch", str(exc))]
         ranks = sorted(needed)
+        self.bytes_read += sum(int(s.get("bytes", 0)) for s in manifest["shards"] if s.get("rank") in needed)
         return verify_shards(step_dir, manifest, ranks, self.cfg.verify_checksums) or probe_loadable(step_dir, manifest, ranks)
 
     def _restore_from_disk(self, state: dict[str, Any], step_dir: Path, manifest: dict[str, Any]) -> None:

@@ -1,14 +1,17 @@
 """Which step every rank restores, and from which tier each rank reads it: the one concern of this module.
 
 Each rank knows the snapshots it holds in memory (this process's slots, or the node-local ones a previous process on
-this node published); rank 0 lists the persistent tier's committed steps. The step restored is the newest one
-every rank can reach: in its own memory or node-local snapshot, else on disk. So after a node is lost and its
-ranks come back on a replacement pod or a spare, the ranks on the other nodes restore from their node-local
-snapshots where the step agrees, and only the new node's ranks read the persistent tier; when the newest step on
-disk is newer than every snapshot, everyone reads the disk. A snapshot that fails its check is dropped by its rank,
-and that rank reads the same step from disk if it is there; a checkpoint on disk that fails its check is moved
-aside (``step-X.corrupt-<reason>``), and the next candidate is tried. Each rank logs where its state came from, and
-rank 0 one line for the whole job.
+this node published) and the replicas it holds of other ranks' snapshots (the peer tier, ``replicas``); rank 0
+lists the persistent tier's committed steps. The step restored is the newest one every rank can reach, and each rank
+reads it from the nearest tier that holds it: its own slots, else a replica on another node, else the disk. So
+after a node is lost and its ranks come back on a replacement pod or a spare, those ranks fetch their replicas from
+the nodes holding them, the other ranks restore from their node-local snapshots, and no checkpoint file is read
+(unless the disk holds a newer step than the replicas: a fault while the newest snapshot was being pushed); when a node and every holder of its replicas are lost, its ranks read the persistent
+tier (one line each says so). A snapshot or replica that fails its check is dropped by its rank, and that rank
+tries the next tier for the same step (a replica, then the disk); a checkpoint on disk that fails its check is moved
+aside (``step-X.corrupt-<reason>``), and the next candidate is tried. Each rank logs where its state came from and
+how many bytes it read from each tier (``CheckpointManager.bytes_read``, in the ledger's restart record), and rank
+0 one line for the whole job.
 """
 
 from __future__ import annotations
@@ -26,55 +29,75 @@ from trainer.checkpoint.state import apply, flatten, local_piece, local_tensors
 
 log = logging.getLogger(__name__)
 
-MEMORY, NODE_LOCAL, DISK = "memory", "node-local", "disk"
+MEMORY, NODE_LOCAL, PEER, DISK = "memory", "node-local", "peer", "disk"
+OWN = "own"
 
 
 @dataclass
 class Candidates:
-    """What each rank holds in memory and what the disk holds, as the restore narrows them down."""
+    """What each rank holds in memory, what its peers hold for it and what the disk holds, as the restore narrows
+    them down."""
 
     held: list[set[int]]
     """Per rank: the steps of its verified snapshots (memory or node-local)."""
     disk: list[int]
     """Committed steps of the persistent tier, oldest first."""
+    peer: list[dict[int, int]] = field(default_factory=list)
+    """Per rank: step -> a rank (on another node) holding a replica of this rank's snapshot of it."""
     tried: list[str] = field(default_factory=list)
     """Checkpoints on disk that failed verification (moved aside)."""
 
     def newest(self) -> int | None:
-        """The newest step every rank can reach, in its memory or on disk; None when there is none."""
-        reachable = set(self.disk).union(*self.held)
-        for step in sorted(reachable, reverse=True):
-            if all(step in held or step in self.disk for held in self.held):
-                return step
-        return None
+        """The newest step every rank can reach: in its memory, a peer's replica, or on disk; None when there is
+        none."""
+        peer = self.peer or [{} for _ in self.held]
+        reach = [held | set(replicas) | set(self.disk) for held, replicas in zip(self.held, peer)]
+        common = set.intersection(*reach) if reach else set()
+        return max(common) if common else None
 
-    def sources(self, step: int) -> list[bool]:
-        """Per rank: whether it restores ``step`` from its own snapshot (else from disk)."""
-        return [step in held for held in self.held]
+    def sources(self, step: int) -> list[str]:
+        """Per rank: where it reads ``step`` from: its own snapshot (``own``), a peer's replica, else the disk."""
+        peer = self.peer or [{} for _ in self.held]
+        return [OWN if step in held else PEER if step in replicas else DISK for held, replicas in zip(self.held, peer)]
 
 
 def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
     """Restore the newest step every rank can reach (collective) with the parts of ``mgr`` (the ``CheckpointManager``:
-    its snapshots, persistent tier and coordination group); returns the step, None when there is none. Sets
-    ``mgr.restored_from`` to this rank's tier. Raises ``CheckpointError`` when checkpoints exist on disk, none
-    verifies and no snapshot is left."""
+    its snapshots, replicas, persistent tier and coordination group); returns the step, None when there is none.
+    Sets ``mgr.restored_from`` to this rank's tier and counts ``mgr.bytes_read`` per tier. Raises
+    ``CheckpointError`` when checkpoints exist on disk, none verifies and no snapshot is left."""
     coord, snapshots = mgr.coord, mgr.snapshots
     in_process = any(s.buffer is not None for s in snapshots.slots)
     began = time.perf_counter()
     held = snapshots.discover(lambda: local_tensors(state)[1])
     discovered = time.perf_counter() - began
-    found = Candidates([set(h) for h in coord.all_gather(held)],
-                       coord.broadcast(committed_steps(mgr.dir) if mgr.rank == 0 else None) or [])
+    holding = mgr.replicas.holdings() if mgr.replicas is not None else {}
+    reports = coord.all_gather((held, holding))
+    peer: list[dict[int, int]] = [{} for _ in reports]
+    for holder, (_, theirs) in enumerate(reports):
+        for source, steps in theirs.items():
+            if source < len(peer):  # a rank may hold its own (renumbered) replica: fetched over loopback
+                peer[source].update({s: holder for s in steps if s not in peer[source]})
+    found = Candidates([set(h) for h, _ in reports],
+                       coord.broadcast(committed_steps(mgr.dir) if mgr.rank == 0 else None) or [], peer)
+    replicated = bool(peer[mgr.rank])  # before any replica is refused
     while (step := found.newest()) is not None:
         sources = found.sources(step)
         mine = sources[mgr.rank]
-        if mine:
-            problem = _from_snapshot(mgr, state, step, while_copying)
+        if mine == OWN:
+            problem = _from_snapshot(mgr, state, step, while_copying, MEMORY if in_process else NODE_LOCAL)
+        elif mine == PEER:
+            problem = _from_peer(mgr, state, step, found.peer[mgr.rank][step], while_copying)
         else:
+            if mgr.replicas is not None and not found.held[mgr.rank] and not replicated:  # a node new to the job
+                log.warning("rank %d: no snapshot of step %d in this node's memory and no replica of it on a live "
+                            "node (its node and every holder of its replicas lost): reading the persistent tier",
+                            mgr.rank, step)
             problem = mgr.persistent.read(state, step)
+            mgr.bytes_read[DISK] = mgr.bytes_read.get(DISK, 0) + mgr.persistent.bytes_read
         problems = coord.all_gather(problem)
         if not any(problems):
-            if mine:
+            if mine == OWN:
                 mgr.restored_from = MEMORY if in_process else NODE_LOCAL
                 times = {"discover": discovered, **snapshots.restore_times}
                 snapshots.restore_times = {}
@@ -82,17 +105,18 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
                          "in-process restart: no file read" if in_process else f"{snapshots.dir}: no checkpoint file read",
                          ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
             else:
-                mgr.restored_from = DISK
+                mgr.restored_from = mine
             _summarise(mgr, step, coord.all_gather(mgr.restored_from))
             return step
-        # FT: a bad snapshot is dropped by its rank (that rank reads the step from disk if it is there); a bad
+        # FT: a bad snapshot or replica is dropped by its rank (that rank tries the next tier for the step); a bad
         # checkpoint on disk is moved aside and the next candidate tried
-        disk_problems = [p for source, p in zip(sources, problems) if p and not source]
+        disk_problems = [p for source, p in zip(sources, problems) if p and source == DISK]
         for rank, (source, problem) in enumerate(zip(sources, problems)):
-            if problem and source:
-                found.held[rank].discard(step)
+            if problem and source != DISK:
+                (found.held[rank].discard if source == OWN else found.peer[rank].pop)(step)
                 if rank == mgr.rank:
-                    log.warning("node-local snapshot of step %d is unusable (%s); trying the next tier", step, problem)
+                    log.warning("%s of step %d is unusable (%s); trying the next tier",
+                                "the peer tier's replica" if source == PEER else "the node-local snapshot", step, problem)
         if disk_problems:
             found.disk.remove(step)
             found.tried.append(f"{step_dir_name(step)} ({disk_problems[0][0][0]})")
@@ -107,11 +131,29 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
     return None
 
 
-def _from_snapshot(mgr: Any, state: dict[str, Any], step: int,
-                   while_copying: Callable[[], None]) -> Any:
-    """Copy this rank's snapshot of ``step`` in, verified while copied; '' when it verified, else why not."""
+def _from_peer(mgr: Any, state: dict[str, Any], step: int, holder: int, while_copying: Callable[[], None]) -> Any:
+    """Fetch this rank's replica of ``step`` from ``holder`` into one of its slots, then copy it in like a node-local
+    snapshot (verified while copied); '' when it verified, else why not."""
+    began = time.perf_counter()
+    problem, nbytes = mgr.replicas.fetch(step, holder, lambda: local_tensors(state)[1])
+    mgr.bytes_read[PEER] = mgr.bytes_read.get(PEER, 0) + nbytes
+    fetched = time.perf_counter() - began
+    problem = problem or _from_snapshot(mgr, state, step, while_copying, None)
+    if not problem:
+        log.info("restored step %d from the peer tier: the replica held by rank %d on node %s, %.1f MiB fetched in "
+                 "%.2f s (%.0f MiB/s); no checkpoint file read", step, holder, mgr.replicas.node_of(holder),
+                 nbytes / 2**20, fetched, nbytes / 2**20 / max(fetched, 1e-9))
+    return problem
+
+
+def _from_snapshot(mgr: Any, state: dict[str, Any], step: int, while_copying: Callable[[], None],
+                   tier: str | None) -> Any:
+    """Copy this rank's snapshot of ``step`` in, verified while copied; '' when it verified, else why not. Counts
+    its bytes under ``tier`` (None: counted by the caller)."""
     slot = mgr.snapshots.slot_for(step)
     assert slot is not None
+    if tier is not None and slot.buffer is not None:
+        mgr.bytes_read[tier] = mgr.bytes_read.get(tier, 0) + slot.buffer.numel()
     live, _ = flatten(state)
     targets = {}
     for key, value in live.items():
@@ -137,8 +179,8 @@ def _summarise(mgr: Any, step: int, tiers: list[str]) -> None:
     for rank, tier in enumerate(tiers):
         by_tier.setdefault(tier, []).append(rank)
     parts = [f"{tier} on ranks {_ranges(ranks)}" for tier, ranks in sorted(by_tier.items())]
-    log.info("restored step %d: %s (the ranks without a snapshot of it read the persistent tier: a node that "
-             "joined, or one that lost its memory)", step, "; ".join(parts))
+    log.info("restored step %d: %s (a node that joined, or one that lost its memory, reads a peer's replica, else "
+             "the persistent tier)", step, "; ".join(parts))
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -21,6 +21,7 @@ persisted is held, and a snapshot is never skipped because the disk is slow.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -120,6 +121,14 @@ def map_file(path: Path, nbytes: int, allocate: bool = False) -> torch.Tensor:
 
 
 def config_hash(config_json: str) -> str:
+    """The run's configuration, less where a node keeps its snapshots (``checkpoint.node_local_dir``, which may differ
+    between a lost node and its replacement, whose ranks take the lost node's snapshots from the peer tier)."""
+    try:
+        config = json.loads(config_json)
+        config.get("checkpoint", {}).pop("node_local_dir", None)
+        config_json = json.dumps(config, sort_keys=True)
+    except (ValueError, AttributeError):  # not a config of sections: hashed as it is
+        pass
     return hashlib.sha256(config_json.encode()).hexdigest()
 
 
@@ -236,6 +245,7 @@ class SnapshotStore:
         self.pin_piece = 0
         self.slots = [self._slot(i) for i in range(slots)]
         self._threads: list[threading.Thread] = []
+        self.on_published: Callable[[Slot, int], None] = lambda slot, step: None
         self._expected_checksum: dict[int, int] = {}
         """Slot index -> checksum its header promises, for snapshots discovered from a previous process."""
         self.restore_times: dict[str, float] = {}
@@ -390,6 +400,7 @@ class SnapshotStore:
             torch.save(meta, partial)
             if slot.step == step:  # not invalidated meanwhile
                 os.replace(partial, slot.meta_path)
+                self.on_published(slot, step)  # the peer tier's copy (replicas.py): restaging waits for it
             else:
                 partial.unlink(missing_ok=True)
         except Exception as exc:  # the memory tier still holds it; only the node-local copy is missing
@@ -408,19 +419,19 @@ class SnapshotStore:
         return next((s for s in self.slots if s.step == step), None)
 
     # ---- a respawned worker: discover the node-local tier -------------------------------------------------
-    def discover(self, pieces_fn: Callable[[], dict[str, Piece]]) -> list[int]:
-        """Map the slots a previous process of this rank published; returns their steps (not yet verified).
-        A snapshot of another job, rank, world size, config or model is ignored with a warning. ``pieces_fn``
-        gives this model's pieces; it is called only when there is a header to check."""
+    def discover(self, pieces_fn: Callable[[], dict[str, Piece]], only: Slot | None = None) -> list[int]:
+        """Map the slots a previous process of this rank published (``only``: that slot, a replica fetched into it);
+        returns their steps (not yet verified). A snapshot of another job, rank, world size, config or model is
+        ignored with a warning. ``pieces_fn`` gives this model's pieces; called only when there is a header."""
         try:
-            return self._discover(pieces_fn)
+            return self._discover(pieces_fn, only)
         finally:  # FT: what a standby page-locked and no slot took (another rank's files, a slot with no header)
             premap.release_all()
 
-    def _discover(self, pieces_fn: Callable[[], dict[str, Piece]]) -> list[int]:
-        if not self.node_local or any(s.buffer is not None for s in self.slots):
+    def _discover(self, pieces_fn: Callable[[], dict[str, Piece]], only: Slot | None) -> list[int]:
+        if not self.node_local or (only is None and any(s.buffer is not None for s in self.slots)):
             return self.held_steps()
-        headers = [slot for slot in self.slots if slot.meta_path.is_file()]
+        headers = [slot for slot in self.slots if slot.meta_path.is_file() and only in (None, slot)]
         if not headers:
             return []
         pieces = pieces_fn()

@@ -63,7 +63,7 @@ from trainer.exitcodes import (
     record_exit,
 )
 from trainer.faults import FaultInjector, parse_faults
-from trainer.ledger import Ledger, node_joined
+from trainer.ledger import Ledger, node_joined, sum_by_key
 from trainer.resiliency import straggler as stragglers
 from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
 
@@ -252,19 +252,21 @@ class Layers:
         return self.heartbeat
 
     def on_loop_start(self, resumed_step: int, tier: str | None = None,
-                      gather: Callable[[Any], list[Any]] | None = None) -> None:
-        """The loop (re)starts at ``resumed_step``, this rank's state read from ``tier``; ``gather`` (an all-gather
-        over the ranks, collective) tells the ledger which ranks' nodes joined the job and where each rank resumed."""
+                      gather: Callable[[Any], list[Any]] | None = None, read: dict[str, int] | None = None) -> None:
+        """The loop (re)starts at ``resumed_step``, this rank's state read from ``tier`` (``read``: bytes per tier);
+        ``gather`` (an all-gather over the ranks, collective) tells the ledger which ranks' nodes joined the job,
+        where each rank resumed and the bytes the ranks read from each tier."""
         self.starting = True
         self.preemption.restart()
         if self.ledger is not None:
-            joined, tiers = None, None
+            joined, tiers, total = None, None, dict(read or {})
             if gather is not None:
-                members = gather((self.new_node, tier))
-                tiers = [t for _, t in members]
-                if all(new is not None for new, _ in members):
-                    joined = [rank for rank, (new, _) in enumerate(members) if new]
-            self.ledger.on_train_start(self.iteration, resumed_step, tier=tier, joined=joined, tiers=tiers)
+                members = gather((self.new_node, tier, read or {}))
+                tiers, total = [t for _, t, _ in members], sum_by_key([r for _, _, r in members])
+                if all(new is not None for new, _, _ in members):
+                    joined = [rank for rank, (new, _, _) in enumerate(members) if new]
+            self.ledger.on_train_start(self.iteration, resumed_step, tier=tier, joined=joined, tiers=tiers,
+                                       bytes_read=total)
         self.straggler.on_loop_start()
 
     @contextlib.contextmanager
