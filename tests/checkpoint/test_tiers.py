@@ -15,7 +15,7 @@ from testlib import REPO, torchrun_probe
 from statelib import (  # noqa: F401 - pg
     assert_equal, fail_while_staging, make_state, manager, pg, snapshot, train_step,
 )
-from trainer.checkpoint import committed_steps
+from trainer.checkpoint import CheckpointError, committed_steps
 from trainer.checkpoint.policy import IntervalPolicy, young_daly_steps
 from trainer.config import CheckpointConfig
 
@@ -323,3 +323,49 @@ def test_auto_interval_counts_a_snapshots_cost_over_the_steps_after_it(monkeypat
             since = 0
     assert policy.measurements() == (1.0, pytest.approx(0.5))
     assert chosen == [60] and taken[:3] == [5, 10, 15] and taken[3] == 75
+
+
+def test_a_snapshot_refused_after_it_was_copied_in_leaves_a_fresh_state_when_no_other_step_is_left(tmp_path, pg,
+                                                                                                     caplog):
+    """Every snapshot fails its check while it is copied in (a flipped bit), and the disk holds nothing: the
+    restore returns None, and the state it half overwrote is built afresh, its RNG as before the restore. (Before,
+    the rank trained on from a mix of the refused step and the fresh weights; on three nodes the ranks whose copy
+    verified went on from that step while the refused one started from 0: "ranks saved different steps".)"""
+    fresh_weights = snapshot(make_state(seed=8))
+    for fresh in (lambda: make_state(seed=8), None):
+        root = tmp_path / ("fresh" if fresh else "none")
+        state, mgr = make_state(), manager(root, persist_every=0)
+        for step in (1, 2):
+            train_step(state, step)
+            mgr.save(step, state)
+        mgr.close()
+        for meta in (root / "node").rglob("*.meta"):
+            _flip(meta, meta.with_suffix(".data"))
+        respawned = manager(root, persist_every=0)
+        try:
+            restored = make_state(seed=8)
+            torch.manual_seed(5)
+            rng = torch.get_rng_state()
+            if fresh is None:  # nothing to build a fresh state with: one clear error, not a mixed state
+                with pytest.raises(CheckpointError, match="partly copied"):
+                    respawned.load_latest(restored)
+                continue
+            with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+                assert respawned.load_latest(restored, fresh=fresh) is None
+            assert "checksum mismatch" in caplog.text and "starts over from step 0" in caplog.text
+            assert_equal(snapshot(restored), fresh_weights)
+            assert restored["progress"].step == 0 and restored["dataloader"].position == 0
+            assert torch.equal(torch.get_rng_state(), rng) and respawned.restored_from is None
+        finally:
+            respawned.close(job_over=True)
+
+
+@pytest.mark.multiprocess
+def test_a_step_one_rank_restored_and_another_refused_is_given_up_by_both(tmp_path):
+    """Rank 0's snapshots verify, rank 1's fail their check, and the disk holds nothing: both start over from a
+    fresh state, rank 0 included, though it had copied a whole step in."""
+    out = torchrun_probe(REPO / "tests" / "checkpoint" / "refused_on_one_rank.py", tmp_path,
+                         "the ranks hung in the restore")
+    for rank in (0, 1):
+        result = (tmp_path / f"rank{rank}.result").read_text()
+        assert result == "restored None; step 0; position 0; state fresh; overwrote True", f"rank {rank}: {result}\n{out}"

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -173,17 +173,20 @@ def train(
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
         startup.CLOCK.mark("process_group")
-        model = build_model(cfg, device)
-        optimizer = build_optimizer(model, cfg.optim)
-        loader = TokenLoader(
-            res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size, cfg.data.seed
-        )
-        progress = TrainProgress()
+
+        def fresh() -> dict[str, Any]:
+            model = build_model(cfg, device)
+            loader = TokenLoader(res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size,
+                                 cfg.data.seed)
+            return {"model": model, "optimizer": build_optimizer(model, cfg.optim), "progress": TrainProgress(),
+                    "dataloader": loader, "ft": ft.ft_state}  # FT: heartbeats' learned timeouts are checkpointed
+
+        state = fresh()
         startup.CLOCK.mark("model")
-        state = {"model": model, "optimizer": optimizer, "progress": progress, "dataloader": loader,
-                 "ft": ft.ft_state}  # FT: heartbeat timeouts learned by the in-job layer are checkpointed
-        # FT: memory, then node-local, then disk; a new GPU process warms up while the snapshot is copied in
-        restored = checkpointer.load_latest(state, while_copying=_warmup(res, model))
+        # FT: memory, then node-local, then disk; a new GPU process warms up while the snapshot is copied in; a
+        # step given up after it was copied in leaves a state built afresh
+        restored = checkpointer.load_latest(state, while_copying=_warmup(res, lambda: state["model"]), fresh=fresh)
+        model, optimizer, loader, progress = state["model"], state["optimizer"], state["dataloader"], state["progress"]
         if restored is None and res.base_model is not None:
             res.base_model.load_into(model)  # a fresh start from model.from_hf: this rank's shards only
         startup.CLOCK.mark("restore")
@@ -219,7 +222,7 @@ def warm_up_step(model: nn.Module, batch_size: int, seq_len: int, device: torch.
     model.zero_grad(set_to_none=True)
 
 
-def _warmup(res: Resources, model: nn.Module) -> Any:
+def _warmup(res: Resources, model: Callable[[], nn.Module]) -> Any:
     """``resiliency.restore_warmup``: ``warm_up_step`` while the snapshot is copied in, for a new GPU process (its
     first real step then finds everything warm); None otherwise. It only reads the parameters the restore writes on
     its own stream."""
@@ -235,7 +238,7 @@ def _warmup(res: Resources, model: nn.Module) -> Any:
             log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot")
             return
         started = time.perf_counter()
-        warm_up_step(model, cfg.train.batch_size, cfg.data.seq_len, device)
+        warm_up_step(model(), cfg.train.batch_size, cfg.data.seq_len, device)
         res.warm = True
         log.info("warm-up forward and backward (discarded) issued in %.2f s while the snapshot was copied in",
                  time.perf_counter() - started)

@@ -39,7 +39,7 @@ from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
 from trainer.checkpoint.staging import Drain, choose_copier
 from trainer.checkpoint.state import (
-    LiveState, flatten, local_piece, predicted_bytes, rank_state,
+    LiveState, apply_rank_state, flatten, local_piece, predicted_bytes, rank_state,
 )
 from trainer.checkpoint.writer import Writer
 from trainer.config import CheckpointConfig
@@ -89,6 +89,8 @@ class CheckpointManager:
         """The tier the last ``load_latest`` restored from: memory, node-local, peer, disk, or None."""
         self.bytes_read: dict[str, int] = {}
         """Bytes the last ``load_latest`` read on this rank per tier (memory, node-local, peer, disk)."""
+        self.restore_overwrote = False
+        """The last ``load_latest`` copied a step into the state that it then gave up on every rank (``restore``)."""
         self.blocking_s: list[float] = []
         """Seconds the training loop was blocked by each memory checkpoint (staging, plus the write when synchronous)."""
         self.event_sink: Callable[..., None] = lambda event, **fields: None
@@ -267,13 +269,17 @@ class CheckpointManager:
         """This rank's newest complete memory checkpoint, or None."""
         return self.snapshots.newest()
 
-    def load_latest(self, state: dict[str, Any], while_copying: Callable[[], None] | None = None) -> int | None:
+    def load_latest(self, state: dict[str, Any], while_copying: Callable[[], None] | None = None,
+                    fresh: Callable[[], dict[str, Any]] | None = None) -> int | None:
         """Restore the newest checkpoint every rank can load (collective); returns its step, or None when training
         starts fresh. Tiers, nearest first: memory, node-local, persistent. An invalid persistent checkpoint is
         moved aside as ``step-X.corrupt-<reason>`` with an ERROR line and the previous one is tried; a bad
         node-local snapshot is ignored with a WARNING. Raises ``CheckpointError`` when checkpoints exist but none
         is valid. Without one, ``init_from`` warm-starts. ``while_copying`` runs while a snapshot (memory or
-        node-local tier) is copied in, before its non-tensor state (RNG, data position) is applied."""
+        node-local tier) is copied in, before its non-tensor state (RNG, data position) is applied. ``fresh`` builds
+        the training state as a fresh start has it: when a step was copied in and then given up (a rank's copy of
+        it failed its check) and no other step is left, ``state``'s entries are replaced by ``fresh()``'s and its
+        step, RNG and data position put back as they were before the restore."""
         self._require_bound()
         self.persistent.remove_incomplete()
         self.persistent.save_bytes = self.persistent.estimate_save_bytes(state)
@@ -283,9 +289,11 @@ class CheckpointManager:
             raise CheckpointStorageError(problem)
         self.restored_from, self.bytes_read = None, {}
         self._check_host_memory(state)  # FT: exit 2 at start, not a full /dev/shm mid-run
-        step = None
+        step, before = None, rank_state(state)
         if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
             step = restore_newest(self, state, while_copying or (lambda: None))
+        if step is None and self.restore_overwrote:
+            self._start_over(state, fresh, before)
         if step is None and self.cfg.init_from:
             self.persistent.warm_start(state)
         forgotten = self.snapshots.forget_after(step)
@@ -297,6 +305,20 @@ class CheckpointManager:
         self.policy.next_due = max(self.policy.next_due, (step or 0) + 1)
         self._prepare_slots(state)
         return step
+
+    def _start_over(self, state: dict[str, Any], fresh: Callable[[], dict[str, Any]] | None,
+                    before: dict[str, Any]) -> None:
+        """The restore gave up every step after copying one in: ``state`` holds some of it (all of it on the ranks
+        whose copy verified), so it is built afresh (every rank alike: the decision was collective)."""
+        if fresh is None:
+            raise CheckpointError("no checkpoint every rank can restore, and the one tried was partly copied into the "
+                                  "training state before it failed its check: restart the job to start over")
+        log.warning("no step every rank can restore is left after the refused copies above: training starts over "
+                    "from step 0 on freshly built state, on every rank")
+        state.clear()  # this rank's model and optimizer go before the new ones are built beside them
+        state.update(fresh())
+        apply_rank_state(state, before)
+        self.restored_from = None
 
     def _check_host_memory(self, state: dict[str, Any]) -> None:
         """This node's slots and replicas against its node-local directory and memory limit (``hostmem``)."""

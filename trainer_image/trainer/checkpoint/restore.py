@@ -9,7 +9,9 @@ the nodes holding them, the other ranks restore from their node-local snapshots,
 (unless the disk holds a newer step than the replicas: a fault while the newest snapshot was being pushed); when a node and every holder of its replicas are lost, its ranks read the persistent
 tier (one line each says so). A snapshot or replica that fails its check is dropped by its rank, and that rank
 tries the next tier for the same step (a replica, then the disk); a checkpoint on disk that fails its check is moved
-aside (``step-X.corrupt-<reason>``), and the next candidate is tried. Each rank logs where its state came from and
+aside (``step-X.corrupt-<reason>``), and the next candidate is tried. A step every rank gives up for another leaves
+the other ranks' copies of it in the training state: the next step restored overwrites them, and when no step is
+left the state is built afresh, so no rank trains from a step its peers did not restore. Each rank logs where its state came from and
 how many bytes it read from each tier (``CheckpointManager.bytes_read``, in the ledger's restart record), and rank
 0 one line for the whole job.
 """
@@ -64,9 +66,11 @@ class Candidates:
 def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], None]) -> int | None:
     """Restore the newest step every rank can reach (collective) with the parts of ``mgr`` (the ``CheckpointManager``:
     its snapshots, replicas, persistent tier and coordination group); returns the step, None when there is none.
-    Sets ``mgr.restored_from`` to this rank's tier and counts ``mgr.bytes_read`` per tier. Raises
+    Sets ``mgr.restored_from`` to this rank's tier, counts ``mgr.bytes_read`` per tier and sets
+    ``mgr.restore_overwrote`` when a step was copied into ``state`` and then given up (on every rank alike). Raises
     ``CheckpointError`` when checkpoints exist on disk, none verifies and no snapshot is left."""
     coord, snapshots = mgr.coord, mgr.snapshots
+    mgr.restore_overwrote = False
     in_process = any(s.buffer is not None for s in snapshots.slots)
     began = time.perf_counter()
     held = snapshots.discover(lambda: local_tensors(state)[1])
@@ -109,7 +113,10 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
             _summarise(mgr, step, coord.all_gather(mgr.restored_from))
             return step
         # FT: a bad snapshot or replica is dropped by its rank (that rank tries the next tier for the step); a bad
-        # checkpoint on disk is moved aside and the next candidate tried
+        # checkpoint on disk is moved aside and the next candidate tried. Every rank copied something of this step
+        # into the training state (the ranks whose copy verified, all of it): a later step restored overwrites it,
+        # and when none is left the caller builds the state afresh (``CheckpointManager.load_latest``).
+        mgr.restore_overwrote = True
         disk_problems = [p for source, p in zip(sources, problems) if p and source == DISK]
         for rank, (source, problem) in enumerate(zip(sources, problems)):
             if problem and source != DISK:

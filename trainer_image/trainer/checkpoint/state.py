@@ -127,11 +127,15 @@ def apply(state: dict[str, Any], live: dict[str, torch.Tensor], payload: dict[st
     for group, saved in zip(optim_sd["param_groups"], payload["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
     set_state_dict(state["model"], state["optimizer"], model_state_dict=model_sd, optim_state_dict=optim_sd)
-    saved_rank_state = payload["rank_state"]
-    state["progress"].load_state_dict(saved_rank_state["progress"])
-    state["dataloader"].load_state_dict(saved_rank_state["dataloader"])
-    if restore_ft and state.get("ft") is not None and "ft" in saved_rank_state:
-        state["ft"].load_state_dict(saved_rank_state["ft"])  # FT: learned heartbeat timeouts
+    apply_rank_state(state, payload["rank_state"], restore_ft)
+
+
+def apply_rank_state(state: dict[str, Any], saved: dict[str, Any], restore_ft: bool = True) -> None:
+    """Load what ``rank_state`` returned: step and RNG, data position, the learned heartbeat timeouts."""
+    state["progress"].load_state_dict(saved["progress"])
+    state["dataloader"].load_state_dict(saved["dataloader"])
+    if restore_ft and state.get("ft") is not None and "ft" in saved:
+        state["ft"].load_state_dict(saved["ft"])  # FT: learned heartbeat timeouts
 
 
 def numel(shape: tuple[int, ...]) -> int:
