@@ -35,7 +35,7 @@ STEPS = 34
 # One thread per worker: the reference runs both ranks on one node, where the default would give each half the cores
 # (and so other sums in the matmuls) than a node of one worker does.
 ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
-        *GRACE, *HANGS, "--checkpoint.replicas=1"]  # the peer tier (off by default)
+        *GRACE, *HANGS]  # the peer tier: checkpoint.replicas=auto (1 with two nodes)
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6"}
 SEED = int.from_bytes(os.urandom(4), "little")
 DRAW = random.Random(SEED)

@@ -100,12 +100,12 @@ class CheckpointConfig:
     node_local_dir: str = "/dev/shm"
     """Memory-backed directory for the snapshot slots (a memory ``emptyDir`` in Kubernetes); ``entrypoint.sh``
     gives each job its own subdirectory and removes it when the job ends."""
-    replicas: int | str = 0
+    replicas: int | str = "auto"
     """Peer tier: each rank's newest snapshot is also copied, in the background and from its slot's file, into the
     host memory (``node_local_dir``) of a rank on each of the next N nodes (``checkpoint/replicas.py``), so a lost
     node's ranks restore from memory instead of ``dir``. ``auto``: 1 where the job has 2 or more nodes, else 0;
-    more than the other nodes is capped at them. A holder mirrors the slots (``memory_slots``) of each rank it holds for.
-    0 (off) by default while a defect with three nodes and a spare is open (``CHECKPOINTS.md``, "The peer tier")."""
+    more than the other nodes is capped at them. A holder mirrors the slots (``memory_slots``) of each rank it holds for,
+    so the node-local directory holds ``(1 + replicas) * memory_slots`` states per rank (checked at start)."""
     device_staging: str = "auto"
     """CUDA: copy a snapshot first into a device buffer laid out like its slot (device-to-device, ~10 ms for 18 GB)
     and drain that buffer to host memory in the background, so the next ``optimizer.step()`` waits only for the

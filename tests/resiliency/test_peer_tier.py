@@ -1,0 +1,166 @@
+"""The peer tier across nodes: three ``entrypoint.sh`` nodes of one worker and a fourth launcher waiting as a spare
+(``nodeharness``), the tiny model on gloo, a snapshot every 2 steps replicated to the next node's memory.
+
+One run takes three node losses in turn, so the suite pays for one start:
+1. a node lost, the spare takes its place: its rank fetches its replica from the node holding it, the others restore
+   from their own node memory, and no byte of ``checkpoint.dir`` is read (the ledger's ``bytes_read``);
+2. once the persistent tier holds a step, a node lost and the replicas its holder keeps of it corrupted (flipped
+   bytes) before the replacement pod starts: the replica is refused (its checksum) and that rank reads the next
+   tier, the disk (with no step on disk every rank would start over from a fresh state: ``test_tiers``);
+3. a node and the node holding its replicas lost together: the first's rank reads the persistent tier (one line
+   says why), the second's fetches its replica from the third node.
+The run ends bit-identical to a fault-free run of the same three ranks. Each loss's step is drawn anew each run (0
+or 1 step after a snapshot); the seed is in every failure's message. (Two nodes, one lost and replaced, restoring
+from the peer tier: ``test_nodes``.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+
+import pytest
+import torch
+
+from nodeharness import Cluster
+from test_nodes import ENV
+from test_recovery import BASE, GRACE, VENV_BIN, _run, events, node_dir
+from trainer.checkpoint import committed_steps, load_model_weights
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial, pytest.mark.timeout(900)]  # four launchers on 2 cores
+
+STEPS = 30
+SEED = int.from_bytes(os.urandom(4), "little")
+DRAW = random.Random(SEED)
+SPARE_AT, CORRUPT_AT, BOTH_AT = DRAW.randint(7, 8), DRAW.randint(14, 15), DRAW.randint(21, 22)
+WHY = f"(seed {SEED}: nodes lost at steps {SPARE_AT}, {CORRUPT_AT} (replicas corrupted), {BOTH_AT} (with its holder))"
+# No in-process layer: a lost node is the in-job layer's (every node's launcher meets the new one); one thread per
+# worker, as in test_nodes.
+RUN_ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
+            *GRACE, "--checkpoint.memory_slots=3"]  # the peer tier: checkpoint.replicas=auto (1 from two nodes on)
+# Three slots: every snapshot is persisted and a write of the tiny state takes seconds on 2 loaded cores, so one slot
+# is nearly always held by the writer; with two, a loss while the newest snapshot was still being pushed finds the
+# lost rank's replicas at {written, torn} and the survivors' slots at {written, newest}: only the written step (6
+# steps back, seen) is common. The third keeps the snapshot before the newest on every rank and its holder.
+
+
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory, tiny_dataset):
+    """The fault-free run: three ranks under torchrun on one node."""
+    run_dir = tmp_path_factory.mktemp("reference3")
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node=3", "--master-port={port}", "-m", "trainer", *RUN_ARGS,
+           f"--data.path={tiny_dataset}", f"--train.run_dir={run_dir}",
+           f"--checkpoint.node_local_dir={node_dir(run_dir)}"]
+    rc, out, _ = _run(cmd, run_dir)
+    assert rc == 0, out[-4000:]
+    return load_model_weights(run_dir / "checkpoints")
+
+
+def _mtime(path):
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # restaged meanwhile
+        return 0.0
+
+
+def _node_of_rank(cluster, rank):
+    """The live node running ``rank`` (one worker per node): the rank of its newest slot file (a node keeps the files
+    of a rank it ran before a new rendezvous numbered it otherwise)."""
+    for node in cluster.nodes:
+        files = sorted(node.memory.glob("*/rank-*.slot-*.data"), key=_mtime)
+        if not node.lost and node.proc.poll() is None and files and files[-1].name.startswith(f"rank-{rank:05d}."):
+            return node
+    raise AssertionError(f"no live node runs rank {rank} {WHY}\n{cluster.tail()}")
+
+
+def _flip(path):
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def _wait_for_a_committed_step(cluster, timeout=120):
+    """The persistent tier lags the snapshots by a write or more on 2 loaded cores; the corrupted replica's rank
+    must find a step there."""
+    deadline = time.monotonic() + timeout
+    while not committed_steps(cluster.run_dir / "checkpoints"):
+        assert time.monotonic() < deadline, f"no checkpoint committed in {timeout} s {WHY}\n{cluster.tail()}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory, tiny_dataset):
+    base = tmp_path_factory.mktemp("peers")
+    marks = {}
+    with Cluster(base, tiny_dataset, 3, 1, RUN_ARGS, env=ENV) as cluster:
+        cluster.start_all()
+        cluster.start(3)  # the spare: a fourth launcher for a job of three nodes waits in the rendezvous
+        cluster.wait_for_step(SPARE_AT, timeout=300)  # four launchers starting at once on 2 cores
+        marks["spare"] = time.time()
+        cluster.lose(_node_of_rank(cluster, 1))
+        cluster.wait_for_step(CORRUPT_AT, timeout=240)
+        _wait_for_a_committed_step(cluster)
+        lost = _node_of_rank(cluster, 2)
+        cluster.lose(lost)
+        marks["corrupt"] = time.time()
+        corrupted = [p for n in cluster.nodes if not n.lost for p in n.memory.glob("*/peer-rank-00002.slot-*.data")]
+        for path in corrupted:
+            _flip(path)
+        cluster.start(lost.rank)
+        cluster.wait_for_step(BOTH_AT, timeout=240)
+        first, holder = _node_of_rank(cluster, 0), _node_of_rank(cluster, 1)
+        marks["both"] = time.time()
+        cluster.lose(first)
+        cluster.lose(holder)
+        cluster.start(first.rank)
+        cluster.start(holder.rank)
+        codes = cluster.run_to_end(timeout=240)
+        yield {"cluster": cluster, "codes": codes, "marks": marks, "corrupted": corrupted}
+
+
+def _recovered_after(run, mark):
+    run_dir = run["cluster"].run_dir
+    after = [r for r in events(run_dir, "recovered") if r["time"] > run["marks"][mark]]
+    assert after, f"no recovery after the {mark} loss {WHY}: {events(run_dir, 'recovered')}"
+    return after[0]
+
+
+def test_the_run_ends_bit_identical_to_the_fault_free_run(peers, reference3):
+    assert set(peers["codes"].values()) == {0}, f"{peers['codes']} {WHY}\n{peers['cluster'].tail()}"
+    weights = load_model_weights(peers["cluster"].run_dir / "checkpoints")
+    for key in reference3:
+        assert torch.equal(weights[key], reference3[key]), f"{key} differs from the fault-free run {WHY}"
+
+
+def test_a_spare_takes_a_lost_nodes_place_restoring_from_the_peer_tier_without_reading_the_disk(peers):
+    r = _recovered_after(peers, "spare")
+    assert r["layer"] == "node" and r["tiers"] == {"node-local": [0, 2], "peer": [1]}, f"{r} {WHY}"
+    assert r["bytes_read"].get("peer", 0) > 0 and r["bytes_read"].get("disk", 0) == 0, f"{r} {WHY}"
+    resumed = [x["resumed_step"] for x in events(peers["cluster"].run_dir, "restart") if x["time"] > peers["marks"]["spare"]]
+    assert resumed and min(resumed) >= SPARE_AT - 2 - 2, f"{resumed} {WHY}"  # an interval, and the step in flight
+
+
+def test_a_corrupted_replica_is_refused_and_the_next_tier_used(peers):
+    """Every replica of rank 2 corrupted: each is refused by its checksum and rank 2 reads the disk (the others their
+    memory where it holds the step the disk has, else the disk too: the newest step every rank can reach)."""
+    assert peers["corrupted"], f"no replica of rank 2 found on a live node {WHY}"
+    r = _recovered_after(peers, "corrupt")
+    assert 2 in r["tiers"].get("disk", []) and "peer" not in r["tiers"], f"{r} {WHY}"
+    assert r["bytes_read"].get("peer", 0) > 0 and r["bytes_read"].get("disk", 0) > 0, f"{r} {WHY}"
+    out = "".join(n.output() for n in peers["cluster"].nodes)
+    assert re.search(r"the peer tier's replica of step \d+ is unusable \(checksum mismatch", out), WHY
+
+
+def test_a_node_lost_with_its_replica_holder_reads_the_persistent_tier(peers):
+    """Ranks 0 and 1 lost together: rank 1 held rank 0's replicas, so rank 0's state comes from the disk, and its rank
+    says why in one line. (The new rendezvous may number the nodes otherwise, so which rank reads which tier is not
+    fixed: the survivor serves its own slots and the replicas it held to whichever ranks now need them.)"""
+    r = _recovered_after(peers, "both")
+    assert r["tiers"].get("disk") and r["bytes_read"].get("disk", 0) > 0, f"{r} {WHY}"
+    out = "".join(n.output() for n in peers["cluster"].nodes)
+    assert "no replica of it on a live node (its node and every holder of its replicas lost)" in out, WHY
