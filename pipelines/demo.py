@@ -7,7 +7,7 @@ slice of this Python's standard library, and injects:
 - a ``sigkill`` of rank 1 -> the in-job layer (ft_launcher) restarts the workers of both nodes from their memory;
 - a ``node_lost`` on rank 1 -> its whole node goes (processes and memory); the local backend starts it again as a
   replacement pod (the one cluster restart ``max_cluster_restarts=1`` allows), which joins the rendezvous: rank 0
-  resumes from its node's memory, rank 1 from the persistent tier (the node layer);
+  resumes from its node's memory, rank 1 from the replica node 0 holds of it (the node layer, the peer tier);
 - a ``sigterm`` to rank 0's pod (preemption drill) -> every rank commits a final checkpoint of the same step and the
   preempted node exits 202 (retryable); with the restart budget spent the local backend stops the other node, the
   train step fails, and the pipeline's ``set_retry`` starts a new attempt that resumes from that checkpoint (the
