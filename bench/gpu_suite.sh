@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmark driver: every figure of BENCHMARKS.md as JSON lines in $OUT/figures.jsonl (and on stdout).
 #
-#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery injob goodput
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery injob goodput peer
 #
 # Runs on the lent H200 machine (source bench/gpu_env.sh first there) or any CUDA host with the project
 # installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `recovery` alone
@@ -124,6 +124,14 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   # the whole run directory and the samples, as one file
   tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log goodput-gpu.csv goodput-vmstat.log
   rm -rf "$CKPT_ROOT/goodput"
+}
+
+part_peer() {  # ~6 minutes on 2 GPUs: checkpoint.replicas 0 against auto, two nodes of one GPU each (peer_gpu.py)
+  ensure_data
+  PYTHONPATH="$PYTHONPATH:$PWD/tests" python3 bench/peer_gpu.py --data "$DATA" --ckpt "$CKPT_ROOT/peer" \
+    --out "/dev/shm/peer-gpu" ${PEER_ARGS:-} | fig
+  tar -czf "$OUT/peer-runs.tar.gz" --exclude='*-shm' -C /dev/shm peer-gpu 2>/dev/null
+  rm -rf "$CKPT_ROOT/peer" /dev/shm/peer-gpu
 }
 
 for part in "$@"; do

@@ -133,6 +133,6 @@ def test_restore_warm_up_is_skipped_only_in_a_prewarmed_worker_whose_slots_were_
     monkeypatch.setattr(train, "warm_up_step", lambda *args: calls.append(args))
     cfg = load_config("tiny", ["--data.path=d"])
     res = SimpleNamespace(cfg=cfg, device=torch.device("cuda", 0), warm=False)
-    warm_up = train._warmup(res, model=None)
+    warm_up = train._warmup(res, model=lambda: None)
     warm_up()
     assert bool(calls) == runs and res.warm == runs
