@@ -126,9 +126,9 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   rm -rf "$CKPT_ROOT/goodput"
 }
 
-part_peer() {  # ~6 minutes on 2 GPUs: checkpoint.replicas 0 against auto, two nodes of one GPU each (peer_gpu.py)
+part_peer() {  # ~6 minutes on 2 GPUs: checkpoint.replicas 0 against auto, two nodes of one GPU each (peer_nodes.py)
   ensure_data
-  PYTHONPATH="$PYTHONPATH:$PWD/tests" python3 bench/peer_gpu.py --data "$DATA" --ckpt "$CKPT_ROOT/peer" \
+  PYTHONPATH="$PYTHONPATH:$PWD/tests" python3 bench/peer_nodes.py --data "$DATA" --ckpt "$CKPT_ROOT/peer" \
     --out "/dev/shm/peer-gpu" ${PEER_ARGS:-} | fig
   tar -czf "$OUT/peer-runs.tar.gz" --exclude='*-shm' -C /dev/shm peer-gpu 2>/dev/null
   rm -rf "$CKPT_ROOT/peer" /dev/shm/peer-gpu

@@ -1,7 +1,11 @@
-"""The peer tier on GPUs: two nodes on one host (``tests/nodeharness.py``: one ``entrypoint.sh`` per node, one GPU and
-one worker each, NCCL between them), ``1b`` eager, a snapshot every ``--interval`` steps, one JSON line per figure.
+"""The peer tier across two nodes on one host (``tests/nodeharness.py``: one ``entrypoint.sh`` per node, one worker
+each; on a GPU host one GPU a node and NCCL between them, else the CPU and gloo), one JSON line per figure.
 
-    source bench/gpu_env.sh; PYTHONPATH=$PYTHONPATH:tests python3 bench/peer_gpu.py --data DIR [--steps 80] [--out DIR]
+    # two GPUs (bench/gpu_suite.sh peer): 1b eager, a snapshot every 10 steps, every 2nd persisted
+    source bench/gpu_env.sh; PYTHONPATH=$PYTHONPATH:tests python3 bench/peer_nodes.py --data DIR [--steps 80]
+    # this machine's CPUs: the tiny model, trainer flags after the bench's own
+    PYTHONPATH=.:trainer_image:tests .venv/bin/python bench/peer_nodes.py --data DIR --config tiny --steps 40 \
+        --interval 4 --out /dev/shm/peer --train.batch_size=2 --data.seq_len=64 --train.cpu_threads=1
 
 ``--plan`` (default ``clean:0,clean:auto,lost:auto,lost:0``) lists the runs, each ``kind:checkpoint.replicas``:
 ``clean`` runs without faults (the step time, and the steps just after each snapshot, where the replica is pushed);
@@ -88,7 +92,7 @@ def main() -> None:
     parser.add_argument("--plan", default="clean:0,clean:auto,lost:auto,lost:0")
     parser.add_argument("--config", default="1b")
     args, args.extra = parser.parse_known_args()  # the rest: trainer flags for every run
-    root = args.out or Path(tempfile.mkdtemp(prefix="peer-gpu.", dir="/dev/shm"))
+    root = args.out or Path(tempfile.mkdtemp(prefix="peer-nodes.", dir="/dev/shm"))
     seed = int.from_bytes(os.urandom(4), "little")
     draw = random.Random(seed)
     emit({"figure": "peer_bench", "seed": seed, "steps": args.steps, "interval": args.interval,
