@@ -93,10 +93,13 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
         elif mine == PEER:
             problem = _from_peer(mgr, state, step, found.peer[mgr.rank][step], while_copying)
         else:
-            if mgr.replicas is not None and not found.held[mgr.rank] and not replicated:  # a node new to the job
+            if mgr.replicas is not None and not found.held[mgr.rank]:  # a node new to the job
+                left = sorted(found.peer[mgr.rank])
                 log.warning("rank %d: no snapshot of step %d in this node's memory and no replica of it on a live "
-                            "node (its node and every holder of its replicas lost): reading the persistent tier",
-                            mgr.rank, step)
+                            "node (%s): reading the persistent tier", mgr.rank, step,
+                            f"the replicas of this rank hold steps {left} only" if left else
+                            "its replicas were refused above" if replicated else
+                            "its node and every holder of its replicas lost")
             problem = mgr.persistent.read(state, step)
             mgr.bytes_read[DISK] = mgr.bytes_read.get(DISK, 0) + mgr.persistent.bytes_read
         problems = coord.all_gather(problem)
