@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmark driver: every figure of BENCHMARKS.md as JSON lines in $OUT/figures.jsonl (and on stdout).
 #
-#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery injob goodput peer
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery injob goodput restorepoint peer
 #
 # Runs on the lent H200 machine (source bench/gpu_env.sh first there) or any CUDA host with the project
 # installed. `floors throughput checkpoint recovery` fit one 10-minute device call on 2 GPUs; `recovery` alone
@@ -107,6 +107,11 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   # snapshots, a third and two thirds into the run. Every step logged (the strict goodput needs each step's time).
   local last=$(( NGPU - 1 )) steps="${GOODPUT_STEPS:-1200}"
   local exc=$(( steps / 3 / 10 * 10 + 5 )) kill=$(( 2 * steps / 3 / 10 * 10 + 5 ))
+  if [[ -n "${GOODPUT_SEED:-}" ]]; then  # issue 41: each fault 1 to 9 steps after a snapshot, drawn from the seed
+    RANDOM=$GOODPUT_SEED
+    exc=$(( exc - 5 + 1 + RANDOM % 9 )) kill=$(( kill - 5 + 1 + RANDOM % 9 ))
+    say "goodput: seed $GOODPUT_SEED: the exception at step $exc, the SIGKILL at $kill"
+  fi
   # The host and the GPU sampled every second through the run: a window of slower steps is matched against the SM
   # clock, power, temperature and the clock-event reasons (throttling), and against the host's CPU and I/O.
   local q=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
@@ -124,6 +129,19 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   # the whole run directory and the samples, as one file
   tar -czf "$OUT/goodput-run.tar.gz" -C "$OUT" goodput goodput.log goodput-gpu.csv goodput-vmstat.log
   rm -rf "$CKPT_ROOT/goodput"
+}
+
+part_restorepoint() {  # ~2 minutes: is a snapshot the restore point 1, 2 and 3 steps after it is taken? (issue 41)
+  ensure_data
+  # interval 10, one fault a snapshot: an exception 1 step after (at the start of step 31), SIGKILLs 2 and 3 after
+  # (52, 73), an exception 2 after (92). Each recovery's fault_step and steps_redone say which snapshot it restored
+  # (steps_redone = fault_step - 1 - restored). RESTORE_NAME names the run (a peer on other code in the same call).
+  local name="${RESTORE_NAME:-restorepoint}"
+  faulty "$name" "$NGPU" --train.steps=100 --checkpoint.interval=10 --checkpoint.persist_every=0 \
+    --resiliency.faults="0:31:exception,0:52:sigkill,0:73:sigkill,0:92:exception"
+  python3 bench/figures.py recovery "$OUT/$name" | fig
+  grep -hE "injecting fault|restored step|in flight when" "$OUT/$name.log" | cut -c1-240 > "$OUT/$name-events.log"
+  rm -rf "$CKPT_ROOT/$name"
 }
 
 part_peer() {  # ~6 minutes on 2 GPUs: checkpoint.replicas 0 against auto, two nodes of one GPU each (peer_nodes.py)

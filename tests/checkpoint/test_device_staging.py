@@ -178,3 +178,41 @@ def test_a_staged_snapshot_drains_a_part_per_step_and_restores_bit_identical(tmp
         assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
     finally:
         mgr.close(job_over=True)
+
+
+def test_a_snapshot_in_flight_when_the_attempt_fails_is_the_restore_point(tmp_path, shm_dir, monkeypatch):
+    """An exception at the start of the step after a snapshot, its copy still in flight (device staging: the drain's
+    first part only just queued): the in-process restart's ``bind`` finishes the copy, and the restore reads that
+    snapshot from memory, bit-identical, not the one before."""
+    from trainer.checkpoint import staging
+
+    monkeypatch.setattr(staging, "SNAPSHOT_COPY_BYTES", 4 << 10)  # the test model's state: ~60 pieces
+    monkeypatch.setattr(staging.DeviceStagedCopy, "drain_budget", lambda self, *_: 3 * (4 << 10))
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    state = _state()
+    mgr = _manager(tmp_path, "on", shm_dir)
+    try:
+        mgr.load_latest(state)
+        step, taken = 0, False
+        while not taken or step < 3:
+            step += 1
+            _step(state, step, mgr)
+            torch.cuda.synchronize()
+            expected = {k: t.detach().cpu().clone() for k, t in local_tensors(state)[0].items()}
+            taken = mgr.save(step, state)
+        mgr.before_step(step + 1)  # the next step starts; its fault comes before its forward
+        staged = mgr.snapshots.staged()
+        assert staged is not None and staged.staging == step
+        assert isinstance(staged.event, staging.Drain) and staged.event.pieces, "the drain is not in flight"
+        mgr.unbind()
+        dist.destroy_process_group()
+        del state
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+        mgr.bind()
+        fresh = _state(seed=3)
+        assert mgr.load_latest(fresh) == step and mgr.restored_from == "memory"
+        got = {k: t.detach().cpu() for k, t in local_tensors(fresh)[0].items()}
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+    finally:
+        mgr.close(job_over=True)
+        dist.destroy_process_group()

@@ -414,6 +414,27 @@ def test_a_drain_part_is_half_a_step_unless_the_next_snapshot_needs_more():
     assert auto.steps_to_next(21) == 4 and auto.steps_to_next(30) == 0
 
 
+def test_a_drain_lands_within_two_steps_of_its_snapshot_whatever_the_pace():
+    """``staging.parts_left``: the drain is spread over ``DRAIN_WITHIN_STEPS`` (2) steps at most, so a snapshot is a
+    restore point for a SIGKILL from the third step after it; where half a step at the copy rate is not enough
+    (1b on H200: 18 GB at ~55 GB/s in 0.27 s steps), each part is larger than the pace, not one more step later."""
+    from trainer.checkpoint.staging import DRAIN_STEP_FRACTION, DRAIN_WITHIN_STEPS, drain_part_bytes, parts_left
+
+    assert DRAIN_WITHIN_STEPS == 2
+    assert [parts_left(q, None) for q in range(4)] == [2, 1, 1, 1]
+    assert [parts_left(q, 9) for q in range(3)] == [2, 1, 1]
+    assert parts_left(0, 1) == 1  # the next snapshot is due sooner: it waits for the whole drain
+    gb, step_s, rate = 10**9, 0.27, 55 * 10**9
+    remaining, parts = 18 * gb, []
+    while remaining > 0:
+        part = min(remaining, drain_part_bytes(step_s, rate, remaining, parts_left(len(parts), 9)))
+        parts.append(part)
+        remaining -= part
+    assert parts == [9 * gb, 9 * gb] and parts[0] > DRAIN_STEP_FRACTION * step_s * rate
+    small = drain_part_bytes(step_s, rate, 2 * gb, parts_left(0, 9))  # a small state: the pace, one part
+    assert small == int(DRAIN_STEP_FRACTION * step_s * rate) and small >= 2 * gb
+
+
 def test_a_step_never_waits_on_the_host_for_a_snapshots_copy(tmp_path, pg):
     """``wait_for_staging`` (before every ``optimizer.step()``): the training stream waits once, on the device, for
     the copier's ``sources_read`` (the point after which the live tensors may change; consumed here before the
@@ -449,5 +470,53 @@ def test_a_step_never_waits_on_the_host_for_a_snapshots_copy(tmp_path, pg):
             mgr.wait_for_staging()  # landed: the slot becomes the snapshot of step 5
             assert mgr.snapshots.staged() is None and mgr.latest_in_memory() is slot and slot.step == 5
             slot.step = None
+    finally:
+        mgr.close()
+
+
+class _Event:  # a CUDA event's duck type
+    def __init__(self, landed: bool) -> None:
+        self.landed, self.host_waits = landed, 0
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.host_waits += 1
+        self.landed = True
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["sources-read", "sources-unread"])
+def test_an_in_process_restart_finishes_a_snapshot_whose_sources_were_read(tmp_path, pg, caplog, read):
+    """An exception a step after a snapshot, its device-staged drain still in flight: the copy had read the live
+    tensors (the device-to-device copy landed) when the attempt ended, so the next attempt's ``bind`` finishes the
+    drain and the snapshot is the restore point, not the one before. A copy that had not read them when the attempt
+    ended (the tensors are freed after) is dropped, even if it lands later."""
+    state = make_state()
+    mgr = manager(tmp_path, interval=1, persist_every=0)
+    try:
+        train_step(state, 1)
+        mgr.save(1, state)
+        train_step(state, 2)
+        mgr.save(2, state)
+        expected = snapshot(state)
+        slot = mgr.latest_in_memory()
+        assert slot.step == 2
+        slot.published.wait()
+        sources, drain = _Event(landed=read), _Event(landed=False)
+        slot.staging, slot.step, slot.event, slot.sources_read = 2, None, drain, sources  # the drain in flight
+        mgr.unbind()  # the attempt ends (a fault); no collective
+        sources.landed = True
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+            mgr.bind()
+        assert drain.host_waits == 1 and mgr.snapshots.staged() is None
+        said = "in flight when the attempt ended, is finished: a restore point"
+        assert (said in caplog.text) == read, caplog.text
+        restored = make_state(seed=4)
+        assert mgr.load_latest(restored) == (2 if read else 1)
+        if read:
+            assert_equal(snapshot(restored), expected)
     finally:
         mgr.close()

@@ -47,6 +47,10 @@ from trainer.parallel import DistEnv
 
 log = logging.getLogger(__name__)
 
+SOURCES_WAIT_S = 1.0
+"""How long an attempt's end waits for a snapshot's copy to have read the live tensors (``_settle_staged``): the
+device's backlog when the host fails is about a step."""
+
 _SLOT_ALIGN = 64  # slots.plan_layout's alignment
 
 
@@ -83,6 +87,8 @@ class CheckpointManager:
         """How snapshots are copied into their slots (``staging``), chosen at the first one (after the first steps)."""
         self._live = LiveState()
         self._bound = False
+        self._sources_read_at_unbind = False
+        """The staged snapshot's copy had read its sources when the last attempt ended (``_settle_staged``)."""
         self._closed = False
         self.rank, self.world_size = env.rank, env.world_size
         self.restored_from: str | None = None
@@ -118,13 +124,35 @@ class CheckpointManager:
         self._bound = True
         self._live.invalidate()  # a new attempt builds a new model and optimizer
         staged = self.snapshots.staged()
-        if staged is not None:  # the attempt ended while copying: that slot is not a snapshot (fall back)
-            if staged.event is not None:
-                staged.event.synchronize()
-            staged.staging, staged.event, staged.sources_read = None, None, None
-            if self.persistent.inflight is not None and self.persistent.inflight.slot is staged:
-                staged.locked, self.persistent.inflight = False, None
+        if staged is not None:  # the attempt ended while copying into that slot
+            self._settle_staged(staged)
         self.persistent.rebind()
+
+    def _settle_staged(self, slot: Slot) -> None:
+        """An attempt ended (an in-process restart) while a snapshot was copied into ``slot``. When the copy had read
+        its sources before the attempt ended (``unbind``), the rest of it (device staging: the drain, which reads only
+        the staging buffer) is finished here and the slot is a snapshot: an exception or a hang a step after a
+        snapshot restores that snapshot, not the one before. Otherwise the freed tensors may have been read after
+        their release, or the device fails the copy: not a snapshot, the restore falls back. Its persisted write, if
+        one was due, is dropped either way: another rank may have dropped its copy of the step."""
+        step = slot.staging
+        persist = self.persistent.inflight
+        if persist is not None and persist.slot is slot:
+            slot.locked, self.persistent.inflight = False, None
+        if self._sources_read_at_unbind:
+            try:
+                self.snapshots.complete(slot)
+                log.info("the snapshot of step %d, in flight when the attempt ended, is finished: a restore point",
+                         step)
+                return
+            except Exception as exc:  # e.g. a sticky CUDA error: the device's copy cannot be trusted
+                log.warning("the snapshot of step %d, in flight when the attempt ended, is dropped: %s", step, exc)
+        try:
+            if slot.event is not None:
+                slot.event.synchronize()  # nothing may still write into the slot once it is chosen again
+        except Exception as exc:
+            log.warning("the copy into the snapshot slot of step %d failed: %s", step, exc)
+        slot.staging, slot.event, slot.sources_read = None, None, None
 
     def unbind(self) -> None:
         """End of an attempt, normal or failed. No collectives (the process group may be broken): a write in
@@ -133,6 +161,10 @@ class CheckpointManager:
         # sockets, so a peer blocked in one of the group's gloo collectives (they cannot be aborted) fails within a
         # second instead of waiting for the timeout, and its in-process restart can begin.
         self._bound = False
+        staged = self.snapshots.staged()
+        # FT: the host runs ahead of the device: a fault at the step after a snapshot often comes before its copy
+        # read the tensors (the device still runs the snapshot's step); a healthy device gets there within a step
+        self._sources_read_at_unbind = staged is not None and _landed(staged.sources_read, SOURCES_WAIT_S)
         self._live.invalidate()  # FT: the attempt's model and optimizer state are not kept alive past its end
         self.coord.close()
 
@@ -222,9 +254,10 @@ class CheckpointManager:
             self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
 
     def before_step(self, step: int) -> None:
-        """Called at the start of ``step``: the next part of a device-staged snapshot's drain to host memory,
-        queued after the training stream's work so far (``staging.Drain``), all of it landed one step before the
-        next snapshot is due."""
+        """Called at the start of ``step``: a snapshot whose copy landed since the last step's check becomes one
+        (its node-local publication starts before this step's work); else the next part of a device-staged
+        snapshot's drain to host memory is queued after the training stream's work so far (``staging.Drain``)."""
+        self._complete_staging(wait=False)
         slot = self.snapshots.staged()
         if slot is not None and isinstance(slot.event, Drain):
             slot.event.pump(self.policy.measurements()[0], self.policy.steps_to_next(step))
@@ -430,3 +463,19 @@ class CheckpointManager:
 
     def _broadcast(self, obj: Any) -> Any:
         return self.coord.broadcast(obj)
+
+
+def _landed(event: Any, wait_s: float) -> bool:
+    """A copy's CUDA event has completed, polled for up to ``wait_s`` (None: nothing pending, or the training stream
+    already waits for it). A device that does not get there in time (a hung kernel ahead of the copy) or fails: no."""
+    deadline = time.monotonic() + wait_s
+    while event is not None:
+        try:
+            if event.query():
+                return True
+        except Exception:  # a device error: nothing of that copy is trusted
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -39,6 +39,12 @@ DRAIN_STEP_FRACTION = 0.5
 at the measured copy rate. The copy engine runs ready device-to-host copies in order, so a step's own small ones
 (its loss for the log line) wait behind the drain in flight: queued whole (18 GB, 0.33 s), it held the step after
 each ``1b`` snapshot 26 ms on H200 (a profile of ``train.profile_steps``), ~45 ms a snapshot in the goodput run."""
+DRAIN_WITHIN_STEPS = 2
+"""Device staging: the drain is queued in at most this many parts (the first at the start of the step after the
+snapshot), however slow the copy, so that the snapshot is a node-local restore point (it survives a SIGKILL) from the
+start of the step after the last part landed: two steps after it was taken, three where the last part outlasts its
+step's forward and backward. Each part is then more than ``DRAIN_STEP_FRACTION`` of a step when the state's copy
+takes longer than that fraction of two steps."""
 DRAIN_RATE_GUESS = 20e9
 """Bytes per second assumed for the first part, before a part's copy was timed (H200, PCIe 5: ~55e9)."""
 
@@ -123,13 +129,21 @@ class DeviceStagedCopy:
 
 def drain_part_bytes(step_s: float, rate: float, remaining: int, steps_left: int | None) -> int | None:
     """Bytes of a drain part queued at a step's start: ``DRAIN_STEP_FRACTION`` of a step (``step_s``) at ``rate``
-    bytes/s, but enough that the ``remaining`` bytes land within the ``steps_left`` steps (this one included)
-    before the next snapshot is due, which waits for them: a short step with a large state drains faster than
-    the fraction, not later. None: all at once (the step time is not measured yet, or no step is left)."""
+    bytes/s, but enough that the ``remaining`` bytes land within the ``steps_left`` steps (this one included: the
+    fewer of ``DRAIN_WITHIN_STEPS`` less the parts queued and the steps before the next snapshot is due, which waits
+    for them): a short step with a large state drains faster than the fraction, not later. None: all at once (the
+    step time is not measured yet, or no step is left)."""
     if step_s <= 0 or (steps_left is not None and steps_left <= 0):
         return None
     paced = int(DRAIN_STEP_FRACTION * step_s * rate)
     return paced if steps_left is None else max(paced, -(-remaining // steps_left))
+
+
+def parts_left(queued: int, steps_left: int | None) -> int:
+    """Steps the rest of a drain is spread over, after ``queued`` parts: ``DRAIN_WITHIN_STEPS`` in all, fewer where
+    the next snapshot (``steps_left`` steps away, this one included; None: none scheduled) comes first."""
+    within = max(1, DRAIN_WITHIN_STEPS - queued)
+    return within if steps_left is None else min(steps_left, within)
 
 
 class Drain:
@@ -141,15 +155,21 @@ class Drain:
     def __init__(self, copier: DeviceStagedCopy, slot_bytes: torch.Tensor, pieces: list[tuple[int, int]]) -> None:
         self.copier, self.slot_bytes, self.pieces = copier, slot_bytes, pieces
         self.done: Any = None
+        self.parts = 0
 
     def pump(self, step_s: float = -1.0, steps_left: int | None = None, rest: bool = False) -> None:
         """Queue the next part (``step_s``: the step time; ``steps_left``: steps before the next snapshot is due,
-        which waits for this drain); ``rest``: all that is left."""
+        which waits for this drain), after the training stream's work so far; ``rest``: all that is left, at once
+        (the staging buffer it reads is written on the drain's own stream: the order with training is only pacing,
+        and a training stream held by a hung collective does not hold it)."""
         if self.done is not None:
             return
-        budget = None if rest else self.copier.drain_budget(step_s, sum(_length(p) for p in self.pieces), steps_left)
+        remaining = sum(_length(p) for p in self.pieces)
+        budget = None if rest else self.copier.drain_budget(step_s, remaining, parts_left(self.parts, steps_left))
+        self.parts += 1
         stream, staged = self.copier.stream, self.copier.buffer
-        stream.wait_stream(torch.cuda.current_stream())
+        if not rest:
+            stream.wait_stream(torch.cuda.current_stream())
         start, end, queued = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0
         with torch.cuda.stream(stream):
             start.record(stream)
