@@ -86,13 +86,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--persist-every", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="run directories and each node's node-local directory: memory-backed (default: /dev/shm)")
+    parser.add_argument("--out", type=Path, default=Path("/dev/shm"),
+                        help="where a new directory holds the run directories and each node's node-local directory: "
+                             "memory-backed (default: /dev/shm)")
     parser.add_argument("--ckpt", type=Path, default=Path(".bench-ckpt/peer"), help="checkpoint.dir's parent (disk)")
     parser.add_argument("--plan", default="clean:0,clean:auto,lost:auto,lost:0")
     parser.add_argument("--config", default="1b")
     args, args.extra = parser.parse_known_args()  # the rest: trainer flags for every run
-    root = args.out or Path(tempfile.mkdtemp(prefix="peer-nodes.", dir="/dev/shm"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="peer-nodes.", dir=args.out))  # never an earlier bench's ledger or metrics
     seed = int.from_bytes(os.urandom(4), "little")
     draw = random.Random(seed)
     emit({"figure": "peer_bench", "seed": seed, "steps": args.steps, "interval": args.interval,

@@ -153,6 +153,7 @@ def test_a_hung_node_is_restarted_in_job_on_every_node(layered):
     run_dir = layered["cluster"].run_dir
     after = [r for r in events(run_dir, "recovered") if r["time"] > layered["stopped_at"]]
     assert after and after[0]["layer"] == "injob", f"{after} {WHY}"
+    assert after[0]["fault_step"] is not None and after[0]["steps_redone"] <= REDONE_MAX, f"{after[0]} {WHY}"
     # the stopped rank's monitors end it: the in-process hard timeout (8 s) or the heartbeat, then a restart
     assert after[0]["time"] - layered["stopped_at"] < HANGS_BOUND_S, f"{after[0]} {WHY}"
     restarts = [r for r in events(run_dir, "restart") if r["time"] > layered["stopped_at"]][:2]
@@ -185,6 +186,8 @@ def test_losing_the_node_that_hosts_the_rendezvous_is_recovered_in_the_job(layer
     assert after and after[0]["layer"] == "node", f"{after} {WHY}"
     host_rank = layered["host"].rank  # node rank = its ranks (FT_LOCAL_ADDR keeps the order)
     _assert_tiers(after[0], host_rank)
+    # no fault injected: its step is the one the survivor's rank was stopped in (its exit record)
+    assert after[0]["fault_step"] is not None and after[0]["steps_redone"] <= REDONE_MAX, f"{after[0]} {WHY}"
     assert "joins it again" in layered["survivor"].output(), "the survivor's launcher lost the store and joined again"
 
 

@@ -272,6 +272,22 @@ def test_injob_restart_after_an_uninjected_kill_names_the_killed_rank(tmp_path, 
     assert recovered["fault_kind"] == "killed" and recovered["steps_redone"] is None and recovered["recovery_s"] >= 0
 
 
+def test_a_lost_nodes_fault_step_is_the_step_the_others_stopped_in(tmp_path, monkeypatch):
+    """A node lost (no fault injected, its ranks record nothing): the survivors' exits say the step they were in when
+    their launcher stopped them, so the recovery counts the steps redone (fault step - 1 - resumed step)."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    Ledger(tmp_path, 0, 2).on_train_start(0, 0)
+    survivor = Ledger(tmp_path, 0, 2)
+    for step in range(1, 10):
+        survivor.on_step_end(step)
+    survivor.exit(ExitCode.TERMINATED, "TERMINATED", "SIGTERM from ft_launcher")  # in step 10; rank 1 lost
+    ledger, restart = _restart(tmp_path, monkeypatch, attempt=1)  # resumed from step 4
+    assert restart["fault"]["kind"] == "killed" and restart["fault"]["step"] == 10
+    ledger.on_step_end(5)
+    recovered = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "recovered"][0]
+    assert recovered["fault_step"] == 10 and recovered["steps_redone"] == 5
+
+
 def test_injob_restart_names_the_first_code_that_is_not_a_stopped_peer(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     Ledger(tmp_path, 0, 2).on_train_start(0, 0)

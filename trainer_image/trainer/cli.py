@@ -72,7 +72,8 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     from trainer.train import Resources, train
 
     startup.CLOCK.mark("import")
-    ledger = Ledger(cfg.train.run_dir, int(rank))
+    # one ledger for the process: its exit record names the step the training loop was in
+    ledger = Ledger(cfg.train.run_dir, int(rank), int(os.environ.get("WORLD_SIZE", "1")))
     # FT: every way out records its exit in the ledger: the next attempt names it as its restart's cause
     cleanup.enter_context(on_exit(lambda code, reason: ledger.exit(code, code_name(code), reason)))
     res = None
@@ -81,7 +82,7 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
         res = Resources.create(cfg)  # data, device and checkpoint-dir errors are classified like training's
         res.start_warmup()  # FT: a new GPU worker loads its first step's kernels while it starts (warmstart.py)
         startup.CLOCK.mark("resources")
-        resiliency.run(res, train)
+        resiliency.run(res, train, ledger=ledger)
         outcome = ExitCode.OK, ""
     except (TrainerExit, Exception) as exc:
         outcome = report(exc)

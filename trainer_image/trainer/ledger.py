@@ -15,9 +15,10 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     Rank 0, first start of a run from scratch (no checkpoint). Wall time is measured from here.
 ``{"event": "fault", "kind", "step"}``
     The faulting rank, just before an injected fault fires (``step`` is the step it interrupts).
-``{"event": "exit", "code", "name", "reason"}``
+``{"event": "exit", "code", "name", "reason", "step"}``
     Every rank whose process ends with a non-zero code (``trainer.cli``, and the SIGTERM paths of
-    ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause.
+    ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause; ``step``
+    is the step it was in (null before its first completed).
 ``{"event": "restart", "layer", "resumed_step", "tier", "fault", "joined"}``
     Every rank, when training starts again after a fault (``pid`` shows whether the process survived); ``tier`` is
     the checkpoint tier it resumed from (``memory``, ``node-local``, ``peer``, ``disk``, or null). ``layer`` is the layer that recovered it:
@@ -27,12 +28,13 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     checkpoint). ``joined`` lists the ranks whose node joined (``node`` only). A node is new to the job when no worker of
     its local rank ran in its pod before (``node_joined``). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
     handled SIGTERM (``preemption``), or, for a fault that was not injected, what this attempt can know of
-    it: ``{"kind", "time", "step": null, "detail"}`` where ``kind`` is ``exception`` (in-process: the
+    it: ``{"kind", "time", "step", "detail"}`` where ``kind`` is ``exception`` (in-process: the
     exception the Wrapper caught on this rank) or ``peer_fault`` (in-process: another rank failed), else
     from the ``exit`` records since the last (re)start: ``killed`` when a rank recorded no exit (SIGKILL, OOM
     kill, ft_launcher's heartbeat timeout, a lost node), otherwise the lower-case name of the first exit
     code other than the TERMINATED of ranks stopped for the restart (e.g. ``ranks_lost``). ``detail`` lists
-    every rank's exit; ``time`` is the first exit's (null when none was recorded).
+    every rank's exit; ``time`` is the first exit's (null when none was recorded), ``step`` the step the ranks that
+    recorded one were in (a lost node's: the step the others stopped in; null when none was recorded).
 ``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone", "tiers", "bytes_read"}``
     Rank 0, after the first productive (completed) step following a restart. ``tiers`` maps each tier the ranks
     resumed from to those ranks (``{"node-local": [0, 1], "peer": [2, 3]}``; ``peer``: a replica fetched from
@@ -112,6 +114,7 @@ class Ledger:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.iteration = 0
         self._pending: dict[str, Any] | None = None  # restart awaiting its first productive step
+        self._done: int | None = None  # the last step this process completed
         self._caught: dict[str, Any] | None = None  # the exception behind the next in-process restart
 
     def write(self, event: str, sync: bool = True, **fields: Any) -> dict[str, Any]:
@@ -141,12 +144,12 @@ class Ledger:
     def exit(self, code: int, name: str, reason: str = "") -> None:
         """This process ends with ``code`` (non-zero): the cause the next attempt's restart names."""
         if code:
-            self.write("exit", code=int(code), name=name, reason=reason)
+            self.write("exit", code=int(code), name=name, reason=reason, step=self._in_progress())
 
     def note_exception(self, exc: BaseException | None) -> None:
         """The exception the in-process Wrapper caught on this rank (its health check sees it)."""
         if exc is not None:
-            self._caught = {"kind": "exception", "time": round(time.time(), 3), "step": None,
+            self._caught = {"kind": "exception", "time": round(time.time(), 3), "step": self._in_progress(),
                             "detail": f"{type(exc).__name__}: {exc}"}
 
     def on_train_start(self, iteration: int, resumed_step: int, tier: str | None = None,
@@ -186,6 +189,7 @@ class Ledger:
         """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
         phases of this (re)start (``{"origin": its wall time, "phases": {...}, "marks": {...}}``: ``startup``), when
         measured."""
+        self._done = step
         if self._pending is None or self.rank != 0:
             return
         restart, self._pending = self._pending, None
@@ -252,7 +256,13 @@ class Ledger:
         parts += [f"rank {r['rank']}: exit {r['code']} ({r['name']}) {r.get('reason', '')}".rstrip()
                   for r in sorted(exits, key=lambda r: (r["rank"], r["time"]))]
         times = [r["time"] for r in exits]
-        return {"kind": kind, "time": min(times) if times else None, "step": None, "detail": "; ".join(parts)}
+        steps = [r["step"] for r in exits if r.get("step") is not None]  # the step the ranks stopped in (lockstep)
+        return {"kind": kind, "time": min(times) if times else None, "step": max(steps) if steps else None,
+                "detail": "; ".join(parts)}
+
+    def _in_progress(self) -> int | None:
+        """The step this process was in (the one after its last completed), None before its first completed."""
+        return None if self._done is None else self._done + 1
 
 
 def node_joined(local_rank: int) -> bool | None:

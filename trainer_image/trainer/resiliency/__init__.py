@@ -203,10 +203,10 @@ class Layers:
 
     @classmethod
     def create(cls, cfg: JobConfig, rank: int, world_size: int, local_rank: int,
-               device: torch.device, metrics: Any = None) -> "Layers":
+               device: torch.device, metrics: Any = None, ledger: Ledger | None = None) -> "Layers":
         r = cfg.resiliency
         run_dir = Path(cfg.train.run_dir)
-        ledger = Ledger(run_dir, rank, world_size)
+        ledger = ledger if ledger is not None else Ledger(run_dir, rank, world_size)
         specs = parse_faults(r.faults)
         faults: Any = NullFaults()
         if any(s.rank == rank for s in specs):
@@ -362,11 +362,13 @@ NULL = Layers.null
 TrainFn = Callable[..., dict[str, Any]]
 
 
-def run(res: Any, train_fn: TrainFn) -> dict[str, Any]:
+def run(res: Any, train_fn: TrainFn, ledger: Ledger | None = None) -> dict[str, Any]:
     """Run ``train_fn(res, store, layers)`` under the configured layers; raises ``TrainerExit`` or the
-    exception that ended training (``exitcodes.classify`` maps it)."""
+    exception that ended training (``exitcodes.classify`` maps it). ``ledger``: the process's recovery ledger
+    (the CLI's, which records its exit), else a new one."""
     env = res.env
-    layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device, metrics=res.metrics)
+    layers = Layers.create(res.cfg, env.rank, env.world_size, env.local_rank, res.device, metrics=res.metrics,
+                           ledger=ledger)
     layers.check_health()  # NodeUnhealthy -> UNHEALTHY_NODE before anything else starts
     layers.preemption.install()
     # FT: NVRx collects garbage in full before every in-process restart (``while gc.collect()``): the ~260k objects of
