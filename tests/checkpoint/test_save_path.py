@@ -414,25 +414,31 @@ def test_a_drain_part_is_half_a_step_unless_the_next_snapshot_needs_more():
     assert auto.steps_to_next(21) == 4 and auto.steps_to_next(30) == 0
 
 
-def test_a_drain_lands_within_two_steps_of_its_snapshot_whatever_the_pace():
-    """``staging.parts_left``: the drain is spread over ``DRAIN_WITHIN_STEPS`` (2) steps at most, so a snapshot is a
-    restore point for a SIGKILL from the third step after it; where half a step at the copy rate is not enough
-    (1b on H200: 18 GB at ~55 GB/s in 0.27 s steps), each part is larger than the pace, not one more step later."""
-    from trainer.checkpoint.staging import DRAIN_STEP_FRACTION, DRAIN_WITHIN_STEPS, drain_part_bytes, parts_left
+def test_a_drain_lands_within_two_steps_of_its_snapshot_where_the_copy_rate_allows():
+    """``staging.drain_part_bytes`` with ``parts_left``: the drain is spread over ``DRAIN_WITHIN_STEPS`` (2) steps, so
+    a snapshot is a restore point for a SIGKILL from the third step after it; where half a step at the copy rate is
+    not enough (1b on H200: 18 GB at ~55 GB/s in 0.27 s steps) each part is larger than the pace, up to
+    ``DRAIN_PART_MAX_FRACTION`` of a step; a state too large for that takes more parts, none outlasting its step."""
+    from trainer.checkpoint.staging import (
+        DRAIN_PART_MAX_FRACTION, DRAIN_STEP_FRACTION, DRAIN_WITHIN_STEPS, drain_part_bytes, parts_left,
+    )
 
-    assert DRAIN_WITHIN_STEPS == 2
-    assert [parts_left(q, None) for q in range(4)] == [2, 1, 1, 1]
-    assert [parts_left(q, 9) for q in range(3)] == [2, 1, 1]
-    assert parts_left(0, 1) == 1  # the next snapshot is due sooner: it waits for the whole drain
-    gb, step_s, rate = 10**9, 0.27, 55 * 10**9
-    remaining, parts = 18 * gb, []
-    while remaining > 0:
-        part = min(remaining, drain_part_bytes(step_s, rate, remaining, parts_left(len(parts), 9)))
-        parts.append(part)
-        remaining -= part
-    assert parts == [9 * gb, 9 * gb] and parts[0] > DRAIN_STEP_FRACTION * step_s * rate
-    small = drain_part_bytes(step_s, rate, 2 * gb, parts_left(0, 9))  # a small state: the pace, one part
-    assert small == int(DRAIN_STEP_FRACTION * step_s * rate) and small >= 2 * gb
+    assert DRAIN_WITHIN_STEPS == 2 and [parts_left(q) for q in range(4)] == [2, 1, 1, 1]
+    gb = 10**9
+
+    def parts(step_s: float, state: int, steps_left: int = 9) -> list[int]:
+        remaining, out = state, []
+        while remaining > 0:
+            part = min(remaining, drain_part_bytes(step_s, 55 * gb, remaining, steps_left - len(out), parts_left(len(out))))
+            out.append(part)
+            remaining -= part
+        return out
+
+    assert parts(0.27, 18 * gb) == [9 * gb, 9 * gb] and 9 * gb > DRAIN_STEP_FRACTION * 0.27 * 55 * gb
+    cap = int(DRAIN_PART_MAX_FRACTION * 0.1 * 55 * gb)  # 0.1 s steps: 18 GB is 3.3 steps of copy
+    assert parts(0.1, 18 * gb)[:3] == [cap] * 3 and len(parts(0.1, 18 * gb)) == 4
+    assert parts(0.27, 2 * gb) == [2 * gb]  # a small state: one part, within the pace
+    assert parts(0.1, 18 * gb, steps_left=2) == [9 * gb, 9 * gb]  # the next snapshot's deadline is not capped
 
 
 def test_a_step_never_waits_on_the_host_for_a_snapshots_copy(tmp_path, pg):

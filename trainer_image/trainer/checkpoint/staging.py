@@ -40,11 +40,13 @@ at the measured copy rate. The copy engine runs ready device-to-host copies in o
 (its loss for the log line) wait behind the drain in flight: queued whole (18 GB, 0.33 s), it held the step after
 each ``1b`` snapshot 26 ms on H200 (a profile of ``train.profile_steps``), ~45 ms a snapshot in the goodput run."""
 DRAIN_WITHIN_STEPS = 2
-"""Device staging: the drain is queued in at most this many parts (the first at the start of the step after the
-snapshot), however slow the copy, so that the snapshot is a node-local restore point (it survives a SIGKILL) from the
-start of the step after the last part landed: two steps after it was taken, three where the last part outlasts its
-step's forward and backward. Each part is then more than ``DRAIN_STEP_FRACTION`` of a step when the state's copy
-takes longer than that fraction of two steps."""
+"""Device staging: the drain is queued in this many parts where the copy rate allows (the first at the start of the
+step after the snapshot), so that the snapshot is a node-local restore point (it survives a SIGKILL) from the start
+of the step after the last part landed: the third step after it was taken. A part is then larger than
+``DRAIN_STEP_FRACTION`` of a step where the state needs it (``1b`` on H200: 18 GB, ~0.33 s at the copy rate, in
+0.27 s steps), but never more than ``DRAIN_PART_MAX_FRACTION``: a part that outlasted its step would hold the next
+step's own small copies; a state that large takes more parts."""
+DRAIN_PART_MAX_FRACTION = 0.9
 DRAIN_RATE_GUESS = 20e9
 """Bytes per second assumed for the first part, before a part's copy was timed (H200, PCIe 5: ~55e9)."""
 
@@ -117,33 +119,35 @@ class DeviceStagedCopy:
             slot.event = torch.cuda.Event()
             slot.event.record(self.stream)
 
-    def drain_budget(self, step_s: float, remaining: int, steps_left: int | None) -> int | None:
+    def drain_budget(self, step_s: float, remaining: int, steps_left: int | None, within: int | None = None) -> int | None:
         """Bytes of the next drain part (``drain_part_bytes``) at the copy rate measured so far."""
         done = [(start.elapsed_time(end) / 1e3, nbytes) for start, end, nbytes in self.timings if end.query()]
         self.timings = [t for t in self.timings if not t[1].query()]
         for seconds, nbytes in done:
             if seconds > 0 and nbytes >= SNAPSHOT_COPY_BYTES:
                 self.rate = nbytes / seconds
-        return drain_part_bytes(step_s, self.rate, remaining, steps_left)
+        return drain_part_bytes(step_s, self.rate, remaining, steps_left, within)
 
 
-def drain_part_bytes(step_s: float, rate: float, remaining: int, steps_left: int | None) -> int | None:
+def drain_part_bytes(step_s: float, rate: float, remaining: int, steps_left: int | None,
+                     within: int | None = None) -> int | None:
     """Bytes of a drain part queued at a step's start: ``DRAIN_STEP_FRACTION`` of a step (``step_s``) at ``rate``
-    bytes/s, but enough that the ``remaining`` bytes land within the ``steps_left`` steps (this one included: the
-    fewer of ``DRAIN_WITHIN_STEPS`` less the parts queued and the steps before the next snapshot is due, which waits
-    for them): a short step with a large state drains faster than the fraction, not later. None: all at once (the
-    step time is not measured yet, or no step is left)."""
+    bytes/s; more where the ``remaining`` bytes would not land within ``within`` steps (this one included: the
+    restore-point target, ``parts_left``), up to ``DRAIN_PART_MAX_FRACTION`` of a step; and whatever it takes to
+    land them within the ``steps_left`` steps before the next snapshot is due, which waits for them. None: all at
+    once (the step time is not measured yet, or no step is left)."""
     if step_s <= 0 or (steps_left is not None and steps_left <= 0):
         return None
     paced = int(DRAIN_STEP_FRACTION * step_s * rate)
+    if within is not None and within > 0:
+        paced = max(paced, min(-(-remaining // within), int(DRAIN_PART_MAX_FRACTION * step_s * rate)))
     return paced if steps_left is None else max(paced, -(-remaining // steps_left))
 
 
-def parts_left(queued: int, steps_left: int | None) -> int:
-    """Steps the rest of a drain is spread over, after ``queued`` parts: ``DRAIN_WITHIN_STEPS`` in all, fewer where
-    the next snapshot (``steps_left`` steps away, this one included; None: none scheduled) comes first."""
-    within = max(1, DRAIN_WITHIN_STEPS - queued)
-    return within if steps_left is None else min(steps_left, within)
+def parts_left(queued: int) -> int:
+    """Parts the rest of a drain is spread over after ``queued`` parts, for the restore-point target
+    (``DRAIN_WITHIN_STEPS`` in all)."""
+    return max(1, DRAIN_WITHIN_STEPS - queued)
 
 
 class Drain:
@@ -165,7 +169,7 @@ class Drain:
         if self.done is not None:
             return
         remaining = sum(_length(p) for p in self.pieces)
-        budget = None if rest else self.copier.drain_budget(step_s, remaining, parts_left(self.parts, steps_left))
+        budget = None if rest else self.copier.drain_budget(step_s, remaining, steps_left, parts_left(self.parts))
         self.parts += 1
         stream, staged = self.copier.stream, self.copier.buffer
         if not rest:
