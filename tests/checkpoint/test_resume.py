@@ -130,6 +130,26 @@ def test_two_rank_checkpoint_loads_in_one_process(runs, tiny_dataset, tmp_path):
         torch.testing.assert_close(plain(inputs), logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_resume_on_fewer_ranks_with_the_same_global_batch_trains_like_the_run_it_continues(runs, tiny_dataset,
+                                                                                            tmp_path):
+    """Two ranks' checkpoint of step N resumed on one rank with ``train.global_batch`` = both ranks' batch (two
+    micro-batches accumulated): the same samples each step, the losses of steps N+1..2N within float32
+    summation-order noise of the two-rank run's (the reduction order differs: not bit-equal)."""
+    straight, _ = runs
+    one = tmp_path / "one"
+    shutil.copytree(straight / "checkpoints" / f"step-{N:08d}", one / "checkpoints" / f"step-{N:08d}")
+    result = torchrun(_args(tiny_dataset, one, 2 * N, "--checkpoint.async_save=false",
+                            f"--train.global_batch={GLOBAL_BATCH}"), nproc=1)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_jsonl(one / "metrics.jsonl")
+    assert any(r["event"] == "resume" and r["step"] == N for r in records)
+    resumed = {r["step"]: r["loss"] for r in records if r["event"] == "step"}
+    two = {r["step"]: r["loss"] for r in read_jsonl(straight / "metrics.jsonl") if r["event"] == "step"}
+    assert sorted(resumed) == list(range(N + 1, 2 * N + 1))
+    gap = max(abs(resumed[s] - two[s]) for s in resumed)
+    assert gap < 2e-3, f"losses differ by {gap}: {resumed} against {two}"
+
+
 def _descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():

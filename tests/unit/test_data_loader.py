@@ -326,3 +326,26 @@ def test_a_changed_manifest_is_verified_in_full(tmp_path: Path, monkeypatch) -> 
     _edit_manifest(root, vocab_size=65536)
     assert len(ShardedTokens(root, verified=marker).shards) == 2
     assert json.loads(marker.read_text())["files"].keys() == {"tokenizer.json", "train-00000.bin", "train-00001.bin"}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_world_size_consumes_the_same_samples_each_step_with_a_fixed_global_batch(
+        synthetic: ShardedTokens, world_size: int) -> None:
+    """``train.global_batch`` = 8 with micro-batches of 2: one rank accumulates 4, two ranks 2 each, four ranks 1:
+    each step consumes the same 8 samples of the global order (across epochs), so a run resumed on another world
+    size trains on exactly the samples the first would have."""
+    accumulation = 8 // (2 * world_size)
+    loaders = [TokenLoader(synthetic, seq_len=4, batch_size=2, rank=r, world_size=world_size, seed=4,
+                           accumulation=accumulation) for r in range(world_size)]
+    reference = TokenLoader(synthetic, seq_len=4, batch_size=8, rank=0, world_size=1, seed=4)
+    for _ in range(5):  # 2 global batches of 8 per 17-sample epoch: crosses two epochs
+        step = [t for loader in loaders for _ in range(accumulation) for t in _first_tokens(loader.next_batch()[0])]
+        assert sorted(step) == sorted(_first_tokens(reference.next_batch()[0]))
+        assert all(loader.state_dict() == reference.state_dict() for loader in loaders)
+
+
+def test_a_resume_on_fewer_ranks_accumulates_to_the_same_global_batch(synthetic: ShardedTokens) -> None:
+    state = TokenLoader(synthetic, seq_len=4, batch_size=2, rank=0, world_size=2, seed=1).state_dict()
+    with pytest.raises(ValueError, match=r"global batch size 4 .*set train.global_batch=4 to resume"):
+        TokenLoader(synthetic, seq_len=4, batch_size=2, rank=0, world_size=1, seed=1).load_state_dict(state)
+    TokenLoader(synthetic, seq_len=4, batch_size=2, rank=0, world_size=1, seed=1, accumulation=2).load_state_dict(state)

@@ -165,12 +165,30 @@ class OptimConfig:
         _choice(self, "optim", "implementation", ("auto", "fused", "foreach", "for_loop", "triton"))
 
 
+def accumulation(cfg: "TrainConfig", world_size: int) -> int:
+    """Micro-batches each rank accumulates per optimizer step (``train.global_batch``); ConfigError when the world
+    size does not divide the global batch into whole micro-batches."""
+    if not cfg.global_batch:
+        return 1
+    per_pass = cfg.batch_size * world_size
+    if cfg.global_batch % per_pass:
+        raise ConfigError(f"train.global_batch={cfg.global_batch} is not a multiple of train.batch_size x world size "
+                          f"= {cfg.batch_size} x {world_size}: set a global batch every world size of the job divides "
+                          f"(or another batch_size)")
+    return cfg.global_batch // per_pass
+
+
 @dataclass
 class TrainConfig:
     steps: int = 100
     """Total optimizer steps of the run (a resumed run continues up to this step)."""
     batch_size: int = 8
-    """Micro-batch size per rank (sequences). Global batch = batch_size x world size."""
+    """Micro-batch size per rank (sequences). Global batch = batch_size x world size, unless ``global_batch``."""
+    global_batch: int = 0
+    """Sequences per optimizer step across all ranks; 0: ``batch_size`` x world size (one micro-batch per rank).
+    Else a multiple of ``batch_size`` x world size: each rank accumulates the gradients of
+    ``global_batch / (batch_size x world size)`` micro-batches per step, so the global batch, the samples of each
+    step and the schedule stay the same on any world size that divides it (a resume on fewer or more ranks)."""
     seed: int = 0
     """Seed of weight initialisation (identical on every rank)."""
     device: str = "auto"
@@ -233,6 +251,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         _positive(self, "train", ("steps", "batch_size", "log_every"))
+        if self.global_batch < 0 or (self.global_batch and self.global_batch % self.batch_size):
+            raise ConfigError(f"train.global_batch={self.global_batch} is not a multiple of train.batch_size="
+                              f"{self.batch_size}: set it to a multiple of the batch size (0: batch size x world size)")
         _choice(self, "train", "device", ("auto", "cpu", "cuda"))
         _choice(self, "train", "mixed_precision", ("auto", "bf16", "fp32"))
         _choice(self, "train", "reshard_after_forward", ("auto", "always", "never"))

@@ -320,26 +320,32 @@ class TokenLoader:
     """Infinite, shuffled, resumable training batches for one rank.
 
     Epoch ``e`` visits samples in the order ``np.random.default_rng([seed, e]).permutation(num_samples)``.
-    Each global step consumes the next ``world_size * batch_size`` indices (an incomplete tail is
-    dropped); rank ``r`` takes the slice ``[r * batch_size, (r + 1) * batch_size)`` of them. The state
-    is the global position, so a resume on another world size with the same global batch size
-    continues with exactly the same global batches.
+    Each global step consumes the next ``world_size * batch_size * accumulation`` indices (an incomplete tail is
+    dropped); the ``k``-th micro-batch of rank ``r`` in a step takes the slice starting at
+    ``(k * world_size + r) * batch_size`` of them. The state is the global position, so a resume on another world
+    size with the same global batch size (``train.global_batch``: fewer ranks accumulate more micro-batches)
+    continues with exactly the same samples in each step.
     """
 
     def __init__(
-        self, tokens: ShardedTokens, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int
+        self, tokens: ShardedTokens, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int,
+        accumulation: int = 1,
     ) -> None:
         _check_layout(seq_len, batch_size, rank, world_size)
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1 (got {accumulation})")
         self.tokens = tokens
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
-        self.global_batch_size = batch_size * world_size
+        self.accumulation = accumulation
+        self.global_batch_size = batch_size * world_size * accumulation
         self.num_samples = _require_samples(tokens, seq_len, self.global_batch_size)
         self.epoch = 0
         self.position = 0
+        self._micro = 0  # micro-batches of the current step already served
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -347,14 +353,18 @@ class TokenLoader:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next (inputs, targets), each an int64 CPU tensor ``[batch_size, seq_len]``."""
-        if self.position + self.global_batch_size > self.num_samples:
+        """This rank's next micro-batch (inputs, targets), each an int64 CPU tensor ``[batch_size, seq_len]``; the
+        step's position advances after its last one."""
+        if self._micro == 0 and self.position + self.global_batch_size > self.num_samples:
             self.epoch += 1
             self.position = 0
             self._perm = self._permutation(self.epoch)
-        start = self.position + self.rank * self.batch_size
+        start = self.position + (self._micro * self.world_size + self.rank) * self.batch_size
         indices = self._perm[start : start + self.batch_size]
-        self.position += self.global_batch_size
+        self._micro += 1
+        if self._micro == self.accumulation:
+            self._micro = 0
+            self.position += self.global_batch_size
         return _to_tensors(self.tokens.samples(indices, self.seq_len))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -393,14 +403,15 @@ class TokenLoader:
             )
         if state["global_batch_size"] != self.global_batch_size:
             gbs = state["global_batch_size"]
-            hint = (
-                f"set batch_size={gbs // self.world_size}"
-                if gbs % self.world_size == 0
-                else f"{gbs} is not divisible by world_size={self.world_size}: change the world size"
-            )
+            if gbs % (self.world_size * self.batch_size) == 0:  # fewer ranks: more micro-batches each
+                hint = f"set train.global_batch={gbs}"
+            elif gbs % self.world_size == 0:
+                hint = f"set batch_size={gbs // self.world_size} (or a divisor of it, with train.global_batch={gbs})"
+            else:
+                hint = f"{gbs} is not divisible by world_size={self.world_size}: change the world size"
             raise ValueError(
-                f"loader state has global batch size {gbs} but this loader has world_size*batch_size = "
-                f"{self.world_size}*{self.batch_size} = {self.global_batch_size}: {hint} to resume"
+                f"loader state has global batch size {gbs} but this loader has world_size*batch_size*accumulation = "
+                f"{self.world_size}*{self.batch_size}*{self.accumulation} = {self.global_batch_size}: {hint} to resume"
             )
         if state["num_samples"] != self.num_samples:
             raise ValueError(
@@ -413,6 +424,7 @@ class TokenLoader:
             )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self._micro = 0  # a state is saved between steps
         self._perm = self._permutation(self.epoch)
 
 

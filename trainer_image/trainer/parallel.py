@@ -14,7 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer import loss
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig, accumulation
 from trainer.onerank import OneRank, clip_grad_norm_  # noqa: F401  (re-exported for the loop)
 
 
@@ -179,9 +179,23 @@ def rope_kernel(cfg: TrainConfig) -> str:
 
 def one_rank_direct(cfg: TrainConfig, world_size: int) -> bool:
     """``OneRank`` instead of FSDP2 (``train.single_rank``): one rank, and ``direct``, or ``auto`` without
-    activation checkpointing."""
-    return world_size == 1 and (
-        cfg.single_rank == "direct" or (cfg.single_rank == "auto" and not cfg.activation_checkpointing))
+    activation checkpointing nor gradient accumulation (``OneRank`` finishes, and clips, the gradients at the end
+    of every backward: one backward per optimizer step)."""
+    if world_size != 1:
+        return False
+    if cfg.single_rank == "direct":
+        if accumulation(cfg, world_size) > 1:
+            raise ConfigError("train.single_rank=direct cannot accumulate gradients (it finishes them at every "
+                              "backward's end): set train.single_rank=auto or a train.global_batch of batch_size")
+        return True
+    return cfg.single_rank == "auto" and not cfg.activation_checkpointing and accumulation(cfg, world_size) == 1
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2: whether this backward reduce-scatters the gradients (the last micro-batch of a step) or accumulates
+    them unsharded (the others). A model without FSDP2 accumulates in ``.grad`` either way."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
 
 
 def triton_missing() -> str:

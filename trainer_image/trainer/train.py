@@ -24,7 +24,7 @@ from torch import nn
 
 from trainer import parallel, resiliency, startup, warmstart
 from trainer.checkpoint import CheckpointManager, committed_steps, premap
-from trainer.config import ConfigError, JobConfig, OptimConfig
+from trainer.config import ConfigError, JobConfig, OptimConfig, accumulation
 from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
@@ -61,6 +61,7 @@ class Resources:
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
         env = env or parallel.DistEnv.from_environ()
+        accumulation(cfg.train, env.world_size)  # a global batch this world size cannot split: one line, exit 2
         device = parallel.select_device(cfg.train, env)
         cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
         if cfg.train.deterministic:
@@ -177,7 +178,7 @@ def train(
         def fresh() -> dict[str, Any]:
             model = build_model(cfg, device)
             loader = TokenLoader(res.dataset, cfg.data.seq_len, cfg.train.batch_size, env.rank, env.world_size,
-                                 cfg.data.seed)
+                                 cfg.data.seed, accumulation=accumulation(cfg.train, env.world_size))
             return {"model": model, "optimizer": build_optimizer(model, cfg.optim), "progress": TrainProgress(),
                     "dataloader": loader, "ft": ft.ft_state}  # FT: heartbeats' learned timeouts are checkpointed
 
@@ -307,14 +308,16 @@ def _steps(
     profiler: StepProfiler,
 ) -> dict[str, Any]:
     cfg, env, device = res.cfg, res.env, res.device
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * env.world_size
+    accum = loader.accumulation
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * env.world_size * accum
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = peak_bf16_flops(device)
     first_step = progress.step + 1
     if progress.step == 0:
         res.metrics.log(
             {"event": "start", "world_size": env.world_size, "device": str(device),
-             "params": count_params(cfg.model), "tokens_per_step": tokens_per_step, "model": cfg.model.name,
+             "params": count_params(cfg.model), "tokens_per_step": tokens_per_step, "accumulation": accum,
+             "model": cfg.model.name,
              "checkpoint": {"interval": cfg.checkpoint.interval, "persist_every": cfg.checkpoint.persist_every,
                             "node_local": cfg.checkpoint.node_local}}  # read by the planner (trainer.planning.costs)
         )
@@ -336,8 +339,11 @@ def _steps(
         with ft.section("data"):  # FT: straggler detection times the step's parts (NVRx detection_section)
             inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
         with ft.section("forward_backward"):  # FT: holds FSDP's collectives: waits for peers land here
-            loss = model(inputs, targets)  # the logits die inside: none stay alive into the next forward
-            loss.backward()
+            if accum == 1:
+                loss = model(inputs, targets)  # the logits die inside: none stay alive into the next forward
+                loss.backward()
+            else:  # the other micro-batches' data is read in this section
+                loss = _accumulate(model, loader, inputs, targets, accum, device)
             grad_norm = None
             if cfg.optim.grad_clip > 0:
                 grad_norm = parallel.clip_grad_norm_(model, cfg.optim.grad_clip)
@@ -391,6 +397,22 @@ def _steps(
     if env.is_main:
         (Path(cfg.train.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _accumulate(model: nn.Module, loader: TokenLoader, inputs: torch.Tensor, targets: torch.Tensor, accum: int,
+                device: torch.device) -> torch.Tensor:
+    """One step's gradients from ``accum`` micro-batches (``train.global_batch``), the first given: each loss scaled
+    by ``1/accum``, so the gradient is the global batch's mean; FSDP2 reduce-scatters once, after the last. Returns
+    the step's mean loss on this rank."""
+    total = torch.zeros((), device=device)
+    for k in range(accum):
+        if k:
+            inputs, targets = (t.to(device, non_blocking=True) for t in loader.next_batch())
+        parallel.set_gradient_sync(model, k == accum - 1)
+        loss = model(inputs, targets) / accum
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:
