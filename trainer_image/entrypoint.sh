@@ -41,6 +41,10 @@
 #   FT_RDZV_REJOIN_TIMEOUT              s this node keeps joining the job's rendezvous again after losing it (the
 #                                       node hosting its store is gone: trainer/resiliency/launch.py) before the
 #                                       pod exits 205 RENDEZVOUS_LOST for the cluster layer, default 600
+#   TRAINER_NODE_WAIT_S                 PET_NNODES=MIN:MAX (elastic): s the rendezvous waits for more nodes once MIN
+#                                       are in (its last call): after a node is lost with no spare or replacement,
+#                                       how long the others wait before they go on without it (train.global_batch
+#                                       keeps the global batch), default 30
 #   FT_ENABLE_NIC_MONITOR               True/False; default True only where an NVIDIA driver is present
 #   TRAINER_STANDBY                     True/False (or 1/0): keep one warm standby worker per local rank
 #                                       (trainer/standby.py: torch, the trainer and NVRx imported, its CUDA context
@@ -103,6 +107,7 @@ monitor_interval="${FT_MONITOR_INTERVAL:-0.1}"
 restart_policy="${FT_RESTART_POLICY:-any-failed}"
 rejoin_timeout="${FT_RDZV_REJOIN_TIMEOUT:-600}"
 keep_alive="${FT_RDZV_KEEP_ALIVE_S:-2}"
+node_wait="${TRAINER_NODE_WAIT_S:-30}"
 rdzv_id="${FT_RDZV_ID:-resilient-train}"
 if [[ -n "${FT_ENABLE_NIC_MONITOR:-}" ]]; then
   nic_monitor="$FT_ENABLE_NIC_MONITOR"
@@ -134,7 +139,8 @@ for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:
             "FT_MAX_RESTARTS:$max_restarts" "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:$initial_hb" \
             "FT_RANK_HEARTBEAT_TIMEOUT:$rank_hb" "FT_TERM_TIMEOUT:$term_timeout" \
             "FT_WORKERS_STOP_TIMEOUT:$workers_stop_timeout" "FT_WORKLOAD_CHECK_INTERVAL:$check_interval" \
-            "FT_RDZV_REJOIN_TIMEOUT:$rejoin_timeout" "FT_RDZV_KEEP_ALIVE_S:$keep_alive"; do
+            "FT_RDZV_REJOIN_TIMEOUT:$rejoin_timeout" "FT_RDZV_KEEP_ALIVE_S:$keep_alive" \
+            "TRAINER_NODE_WAIT_S:$node_wait"; do
   require_int "${pair%%:*}" "${pair#*:}"
 done
 if ! [[ "$monitor_interval" =~ ^[0-9]*\.?[0-9]+$ ]] || [[ "$monitor_interval" =~ ^0*\.?0*$ ]]; then
@@ -272,7 +278,7 @@ launcher=(
   --rdzv-endpoint "$master_addr:$master_port"
   --rdzv-id "$rdzv_id"
   ${FT_LOCAL_ADDR:+--local-addr "$FT_LOCAL_ADDR"}
-  ${is_host:+--rdzv-conf "is_host=$is_host"}
+  --rdzv-conf "last_call_timeout=$node_wait${is_host:+,is_host=$is_host}"
   --max-restarts "$max_restarts"
   --term-timeout "$term_timeout"
   --workers-stop-timeout "$workers_stop_timeout"

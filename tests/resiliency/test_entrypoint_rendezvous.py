@@ -58,13 +58,23 @@ def test_a_rendezvous_not_found_again_in_time_ends_the_pod_retryable(tmp_path):
 
 def test_the_store_host_is_named_where_master_addr_is_a_name(tmp_path):
     host = socket.gethostname()
-    for addr, expected in ((f"{host}.svc.example", "is_host=true"), ("other-pod-0", "is_host=false"),
-                           ("127.0.0.1", None), ("localhost", None)):
+    for addr, expected in ((f"{host}.svc.example", "last_call_timeout=30,is_host=true"),
+                           ("other-pod-0", "last_call_timeout=30,is_host=false"),
+                           ("127.0.0.1", "last_call_timeout=30"), ("localhost", "last_call_timeout=30")):
         (tmp_path / "starts.jsonl").unlink(missing_ok=True)
         result, starts = run(tmp_path, "sys.exit(0)", MASTER_ADDR=addr)
         assert result.returncode == 0, result.stderr
         conf = starts[0][starts[0].index("--rdzv-conf") + 1] if "--rdzv-conf" in starts[0] else None
         assert conf == expected, (addr, starts[0])
+
+
+def test_the_node_wait_is_the_rendezvous_last_call(tmp_path):
+    """TRAINER_NODE_WAIT_S (PET_NNODES=MIN:MAX): how long the others wait for a lost node before going on."""
+    result, starts = run(tmp_path, "sys.exit(0)", TRAINER_NODE_WAIT_S="7", PET_NNODES="1:2")
+    assert result.returncode == 0, result.stderr
+    assert starts[0][starts[0].index("--rdzv-conf") + 1] == "last_call_timeout=7"
+    bad, _ = run(tmp_path, "sys.exit(0)", TRAINER_NODE_WAIT_S="soon")
+    assert bad.returncode == 2 and "TRAINER_NODE_WAIT_S must be a non-negative integer; got 'soon'" in bad.stderr
 
 
 def test_another_nodes_permanent_exit_ends_this_node_with_its_code(tmp_path):

@@ -11,7 +11,7 @@ on CPU, so the fsync is the likely cause, though not isolated.
 Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``pid``, ``attempt``
 (``TORCHELASTIC_RESTART_COUNT``, 0 without a launcher) and ``iteration`` (the in-process restart count)):
 
-``{"event": "start"}``
+``{"event": "start", "world_size"}``
     Rank 0, first start of a run from scratch (no checkpoint). Wall time is measured from here.
 ``{"event": "fault", "kind", "step"}``
     The faulting rank, just before an injected fault fires (``step`` is the step it interrupts).
@@ -19,7 +19,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     Every rank whose process ends with a non-zero code (``trainer.cli``, and the SIGTERM paths of
     ``trainer.resiliency``, through ``exitcodes.record_exit``): what the next attempt names as the cause; ``step``
     is the step it was in (null before its first completed).
-``{"event": "restart", "layer", "resumed_step", "tier", "fault", "joined"}``
+``{"event": "restart", "layer", "resumed_step", "tier", "fault", "joined", "world_size"}``
     Every rank, when training starts again after a fault (``pid`` shows whether the process survived); ``tier`` is
     the checkpoint tier it resumed from (``memory``, ``node-local``, ``peer``, ``disk``, or null). ``layer`` is the layer that recovered it:
     ``inprocess`` (same processes, NVRx Wrapper iteration > 0), ``injob`` (new processes on the same nodes, started by
@@ -35,6 +35,10 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     code other than the TERMINATED of ranks stopped for the restart (e.g. ``ranks_lost``). ``detail`` lists
     every rank's exit; ``time`` is the first exit's (null when none was recorded), ``step`` the step the ranks that
     recorded one were in (a lost node's: the step the others stopped in; null when none was recorded).
+``{"event": "elastic", "step", "before", "after", "layer", "cause"}``
+    Rank 0, when a restart runs on another world size than the attempt before (``before`` -> ``after`` ranks: a
+    node lost with no spare under ``PET_NNODES=MIN:MAX``, or one that joined again); ``step`` is the step it resumed
+    from, ``cause`` the restart's fault kind. The time at a size runs from one record to the next.
 ``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone", "tiers", "bytes_read"}``
     Rank 0, after the first productive (completed) step following a restart. ``tiers`` maps each tier the ranks
     resumed from to those ranks (``{"node-local": [0, 1], "peer": [2, 3]}``; ``peer``: a replica fetched from
@@ -172,13 +176,17 @@ class Ledger:
             layer = "cluster"
         else:
             if self.rank == 0:
-                self.write("start", sync=False)
+                self.write("start", sync=False, world_size=self.world_size)
             return
         fault = self._last_unrecovered_fault() or self._uninjected_cause(layer)
         self._caught = None
         extra: dict[str, Any] = {"joined": joined} if layer == "node" else {}
+        before = self._previous_world_size() if self.rank == 0 else None
         record = self.write("restart", sync=False, layer=layer, resumed_step=resumed_step, tier=tier, fault=fault,
-                            **extra)
+                            world_size=self.world_size, **extra)
+        if before is not None and before != self.world_size:  # the job went on with fewer nodes, or grew back
+            self.write("elastic", sync=False, step=resumed_step, before=before, after=self.world_size, layer=layer,
+                       cause=fault.get("kind"))
         if self.rank == 0:
             by_tier: dict[str, list[int]] = {}
             for rank, where in enumerate(tiers or [tier]):
@@ -259,6 +267,13 @@ class Ledger:
         steps = [r["step"] for r in exits if r.get("step") is not None]  # the step the ranks stopped in (lockstep)
         return {"kind": kind, "time": min(times) if times else None, "step": max(steps) if steps else None,
                 "detail": "; ".join(parts)}
+
+    def _previous_world_size(self) -> int | None:
+        """The world size of the last attempt (its rank 0's start or restart record), None when not recorded."""
+        for r in reversed(read(self.path)):
+            if r.get("rank") == 0 and r["event"] in ("start", "restart"):
+                return r.get("world_size")
+        return None
 
     def _in_progress(self) -> int | None:
         """The step this process was in (the one after its last completed), None before its first completed."""

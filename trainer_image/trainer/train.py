@@ -322,7 +322,8 @@ def _steps(
                             "node_local": cfg.checkpoint.node_local}}  # read by the planner (trainer.planning.costs)
         )
     else:
-        res.metrics.log({"event": "resume", "step": progress.step})
+        res.metrics.log({"event": "resume", "step": progress.step, "world_size": env.world_size,
+                         "accumulation": accum, "tokens_per_step": tokens_per_step})
     loss = torch.zeros((), device=device)
     t_last, steps_since_log = time.perf_counter(), 0
     # FT: ledger: start, or which layer restarted us (a node that joined: ``node``) and where each rank resumed from

@@ -1,0 +1,59 @@
+"""No spare left: two nodes under ``PET_NNODES=1:2`` (elastic), one lost with no replacement: the other goes on alone
+once ``TRAINER_NODE_WAIT_S`` has passed, with the same global batch (``train.global_batch``: it accumulates both
+ranks' micro-batches), and the job grows back when the node is started again. State comes from the persistent tier
+at each change of size (the node-local snapshots are refused: another world size). The loss step at which the node
+is lost is drawn anew each run (the seed is in every failure's message).
+
+Checked: both nodes exit 0; the ledger's ``elastic`` records say 2 -> 1 after the loss and 1 -> 2 after the node
+came back; every start and resume trains the same tokens per step; the run ends within float32 summation-order noise
+of a fault-free two-rank run (the reduction order differs at one rank: not bit-equal)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from nodeharness import Cluster
+from test_recovery import BASE, FT_ENV, GRACE, HANGS, events, torchrun
+from testlib import read_jsonl
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 30
+ARGS = [*(a for a in BASE if not a.startswith(("--train.steps", "--train.batch_size"))), f"--train.steps={STEPS}",
+        "--train.cpu_threads=1", "--train.batch_size=2", "--train.global_batch=4", *GRACE, *HANGS]
+ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6", "TRAINER_NODE_WAIT_S": "5"}
+SEED = int.from_bytes(os.urandom(4), "little")
+LOST_AT = random.Random(SEED).randint(5, 10)
+WHY = f"(seed {SEED}: node 1 lost at step {LOST_AT})"
+
+
+def test_a_node_lost_with_no_spare_shrinks_the_job_and_its_return_grows_it_back(tmp_path, tiny_dataset):
+    reference = tmp_path / "reference"
+    rc, out, _ = torchrun(reference, tiny_dataset, *(a for a in ARGS if a not in BASE))
+    assert rc == 0, out[-4000:]
+    with Cluster(tmp_path / "elastic", tiny_dataset, "1:2", 1, ARGS, env=ENV) as cluster:
+        cluster.start_all()
+        cluster.wait_for_step(LOST_AT, timeout=240)
+        lost_at = time.time()
+        cluster.lose(next(n for n in cluster.nodes if n.rank == 1))
+        cluster.wait_for_step(LOST_AT + 8, timeout=240)  # trained alone
+        back_at = time.time()
+        cluster.start(1)
+        codes = cluster.run_to_end(timeout=240)
+        run_dir = cluster.run_dir
+        assert set(codes.values()) == {0}, f"{codes} {WHY}\n{cluster.tail()}"
+    changes = [(r["before"], r["after"]) for r in events(run_dir, "elastic") if r["time"] > lost_at]
+    assert changes[:1] == [(2, 1)] and (1, 2) in changes, f"{changes} {WHY}"
+    grew = next(r for r in events(run_dir, "elastic") if r["time"] > back_at and r["after"] == 2)
+    assert grew["layer"] == "node", f"{grew} {WHY}"
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    sizes = [(r["world_size"], r["accumulation"], r["tokens_per_step"]) for r in records
+             if r["event"] in ("start", "resume")]
+    assert (1, 2, sizes[0][2]) in sizes and len({s[2] for s in sizes}) == 1, f"{sizes} {WHY}"
+    final = [r for r in records if r["event"] == "summary"][-1]["final_loss"]
+    expected = [r for r in read_jsonl(reference / "metrics.jsonl") if r["event"] == "summary"][-1]["final_loss"]
+    assert abs(final - expected) < 1e-2, f"final loss {final} against the fault-free run's {expected} {WHY}"
