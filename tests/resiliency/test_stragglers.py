@@ -116,10 +116,12 @@ def test_evict_ends_the_job_unhealthy_naming_the_host_once_and_a_relaunch_resume
     assert rc == 0, out[-4000:]
     (restart,) = [r for r in events(tmp_path, "restart") if r["rank"] == 0]
     assert (restart["layer"], restart["resumed_step"], restart["fault"]["kind"]) == ("cluster", 15, "unhealthy_node")
-    # Not slowed again: no rank scores as low as the fault made rank 1 (~0.5). One report of one window of 5 small
-    # steps may still name a rank at ~0.7 when the machine's load lands on one rank (CI: rank 0 at 0.72).
+    # Not slowed again: the slow fault does not fire in the relaunch, and no rank is evicted again. (Scores are not
+    # checked: one report of one window of 5 small steps named a rank at 0.72 when the machine's load landed on it,
+    # and below 0.6 in another CI run; the eviction needs two reports in a row.)
+    assert "injecting fault slow" not in out, out[-4000:]
     after = [r for r in events(tmp_path, "straggler_report") if r["step"] > 15]
-    assert len(after) == 1 and all(s["relative"] > 0.6 for s in after[0]["stragglers"]), after
+    assert len(after) == 1, after
     assert len(events(tmp_path, "straggler_evicted")) == 1
     assert_same_weights(tmp_path, load_model_weights(slowed_run[0] / "checkpoints"))
 
