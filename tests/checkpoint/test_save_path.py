@@ -441,46 +441,7 @@ def test_a_drain_lands_within_two_steps_of_its_snapshot_where_the_copy_rate_allo
     assert parts(0.1, 18 * gb, steps_left=2) == [9 * gb, 9 * gb]  # the next snapshot's deadline is not capped
 
 
-def test_a_step_never_waits_on_the_host_for_a_snapshots_copy(tmp_path, pg):
-    """``wait_for_staging`` (before every ``optimizer.step()``): the training stream waits once, on the device, for
-    the copier's ``sources_read`` (the point after which the live tensors may change; consumed here before the
-    call, as at the first step after a save); after that the host never waits for the copy still in flight. It did:
-    for a device-staged drain, the second step after a save queued the rest of the drain at once and held the host
-    thread for it, 169 ms a snapshot on H200 with 1b. The slot becomes the snapshot once its copy has landed."""
-    from trainer.checkpoint.staging import Drain
-
-    class Copy:  # a CUDA event's duck type: a device-to-host copy still in flight (DirectCopy)
-        def __init__(self) -> None:
-            self.landed, self.host_waits = False, 0
-
-        def query(self) -> bool:
-            return self.landed
-
-        def synchronize(self) -> None:
-            self.host_waits += 1
-
-    class LandingDrain(Copy, Drain):  # a device-staged drain whose parts are not all queued yet
-        def __init__(self) -> None:
-            Copy.__init__(self)
-            Drain.__init__(self, None, None, [(0, 1)])  # type: ignore[arg-type]
-
-    mgr = manager(tmp_path, interval=1, persist_every=0)
-    try:
-        slot = mgr.snapshots.slots[0]
-        mgr.blocking_s.append(0.0)
-        for event in (LandingDrain(), Copy()):
-            slot.staging, slot.event, slot.sources_read = 5, event, None
-            mgr.wait_for_staging()
-            assert event.host_waits == 0 and mgr.snapshots.staged() is slot, type(event).__name__
-            event.landed = True
-            mgr.wait_for_staging()  # landed: the slot becomes the snapshot of step 5
-            assert mgr.snapshots.staged() is None and mgr.latest_in_memory() is slot and slot.step == 5
-            slot.step = None
-    finally:
-        mgr.close()
-
-
-class _Event:  # a CUDA event's duck type
+class _Event:  # a CUDA event's duck type: a copy in flight until it lands (or the host waits for it)
     def __init__(self, landed: bool) -> None:
         self.landed, self.host_waits = landed, 0
 
@@ -490,6 +451,35 @@ class _Event:  # a CUDA event's duck type
     def synchronize(self) -> None:
         self.host_waits += 1
         self.landed = True
+
+
+def test_a_step_never_waits_on_the_host_for_a_snapshots_copy(tmp_path, pg):
+    """``wait_for_staging`` (before every ``optimizer.step()``): the training stream waits once, on the device, for
+    the copier's ``sources_read`` (the point after which the live tensors may change; consumed here before the
+    call, as at the first step after a save); after that the host never waits for the copy still in flight. It did:
+    for a device-staged drain, the second step after a save queued the rest of the drain at once and held the host
+    thread for it, 169 ms a snapshot on H200 with 1b. The slot becomes the snapshot once its copy has landed."""
+    from trainer.checkpoint.staging import Drain
+
+    class LandingDrain(_Event, Drain):  # a device-staged drain whose parts are not all queued yet
+        def __init__(self) -> None:
+            _Event.__init__(self, landed=False)
+            Drain.__init__(self, None, None, [(0, 1)])  # type: ignore[arg-type]
+
+    mgr = manager(tmp_path, interval=1, persist_every=0)
+    try:
+        slot = mgr.snapshots.slots[0]
+        mgr.blocking_s.append(0.0)
+        for event in (LandingDrain(), _Event(landed=False)):  # a device-staged drain, a DirectCopy
+            slot.staging, slot.event, slot.sources_read = 5, event, None
+            mgr.wait_for_staging()
+            assert event.host_waits == 0 and mgr.snapshots.staged() is slot, type(event).__name__
+            event.landed = True
+            mgr.wait_for_staging()  # landed: the slot becomes the snapshot of step 5
+            assert mgr.snapshots.staged() is None and mgr.latest_in_memory() is slot and slot.step == 5
+            slot.step = None
+    finally:
+        mgr.close()
 
 
 @pytest.mark.parametrize("read", [True, False], ids=["sources-read", "sources-unread"])

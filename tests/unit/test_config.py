@@ -76,3 +76,18 @@ def test_config_round_trips_through_json():
     import json
     again = JobConfig.from_dict(json.loads(cfg.to_json()))
     assert again == cfg
+
+
+def test_accumulation_follows_the_world_size_and_refuses_what_it_cannot_keep():
+    """``train.global_batch``: the micro-batches each rank accumulates on each world size; a world size that cannot
+    split it, or one rank under ``single_rank=direct`` (which finishes the gradients at every backward), refused."""
+    from trainer.config import TrainConfig, accumulation
+
+    cfg = TrainConfig(batch_size=2, global_batch=8)
+    assert [accumulation(cfg, w) for w in (1, 2, 4)] == [4, 2, 1]
+    assert accumulation(TrainConfig(batch_size=2), 3) == 1  # 0: batch size x world size
+    with pytest.raises(ConfigError, match=r"global_batch=8 is not a multiple of train.batch_size x world size = 2 x 3"):
+        accumulation(cfg, 3)
+    with pytest.raises(ConfigError, match="single_rank=direct cannot accumulate"):
+        accumulation(TrainConfig(batch_size=2, global_batch=8, single_rank="direct"), 1)
+    assert accumulation(TrainConfig(batch_size=2, global_batch=8, single_rank="direct"), 4) == 1

@@ -167,7 +167,8 @@ class OptimConfig:
 
 def accumulation(cfg: "TrainConfig", world_size: int) -> int:
     """Micro-batches each rank accumulates per optimizer step (``train.global_batch``); ConfigError when the world
-    size does not divide the global batch into whole micro-batches."""
+    size does not divide the global batch into whole micro-batches, or when one rank would accumulate under
+    ``single_rank=direct`` (``OneRank`` finishes, and clips, the gradients at the end of every backward)."""
     if not cfg.global_batch:
         return 1
     per_pass = cfg.batch_size * world_size
@@ -175,6 +176,9 @@ def accumulation(cfg: "TrainConfig", world_size: int) -> int:
         raise ConfigError(f"train.global_batch={cfg.global_batch} is not a multiple of train.batch_size x world size "
                           f"= {cfg.batch_size} x {world_size}: set a global batch every world size of the job divides "
                           f"(or another batch_size)")
+    if world_size == 1 and cfg.single_rank == "direct" and cfg.global_batch > per_pass:
+        raise ConfigError("train.single_rank=direct cannot accumulate gradients (it finishes them at every "
+                          "backward's end): set train.single_rank=auto or a train.global_batch of batch_size")
     return cfg.global_batch // per_pass
 
 

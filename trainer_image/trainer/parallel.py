@@ -181,14 +181,8 @@ def one_rank_direct(cfg: TrainConfig, world_size: int) -> bool:
     """``OneRank`` instead of FSDP2 (``train.single_rank``): one rank, and ``direct``, or ``auto`` without
     activation checkpointing nor gradient accumulation (``OneRank`` finishes, and clips, the gradients at the end
     of every backward: one backward per optimizer step)."""
-    if world_size != 1:
-        return False
-    if cfg.single_rank == "direct":
-        if accumulation(cfg, world_size) > 1:
-            raise ConfigError("train.single_rank=direct cannot accumulate gradients (it finishes them at every "
-                              "backward's end): set train.single_rank=auto or a train.global_batch of batch_size")
-        return True
-    return cfg.single_rank == "auto" and not cfg.activation_checkpointing and accumulation(cfg, world_size) == 1
+    return world_size == 1 and (cfg.single_rank == "direct" or (
+        cfg.single_rank == "auto" and not cfg.activation_checkpointing and accumulation(cfg, world_size) == 1))
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:

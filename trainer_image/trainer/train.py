@@ -61,7 +61,7 @@ class Resources:
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
         env = env or parallel.DistEnv.from_environ()
-        accumulation(cfg.train, env.world_size)  # a global batch this world size cannot split: one line, exit 2
+        accumulation(cfg.train, env.world_size)  # a global batch this world size cannot take: one line, exit 2
         device = parallel.select_device(cfg.train, env)
         cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
         if cfg.train.deterministic:
