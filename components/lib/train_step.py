@@ -309,7 +309,8 @@ def collect_outcome(p: PipelineParams, layout: RunLayout, backend_run: BackendRu
     metrics = {
         "steps": float(step),
         "tokens": float(summary.get("tokens", 0)),
-        "final_loss": float(summary.get("final_loss", float("nan"))),
+        # none when the last attempt resumed at the last step and trained none
+        "final_loss": float("nan") if summary.get("final_loss") is None else float(summary["final_loss"]),
         "wall_time_s": round(float(summary.get("wall_time_s", 0.0)), 3),
         **{f"restarts_{layer}": float(n) for layer, n in recovery["restarts"].items()},
         "faults": float(recovery["faults"]),

@@ -22,7 +22,7 @@ from testlib import read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 30
+STEPS = 60  # node 1 comes back right after the shrink: the grow must land while node 0 still has steps to train
 ARGS = [*(a for a in BASE if not a.startswith(("--train.steps", "--train.batch_size"))), f"--train.steps={STEPS}",
         "--train.cpu_threads=1", "--train.batch_size=2", "--train.global_batch=4", *GRACE, *HANGS]
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6", "TRAINER_NODE_WAIT_S": "5"}
@@ -40,7 +40,7 @@ def test_a_node_lost_with_no_spare_shrinks_the_job_and_its_return_grows_it_back(
         cluster.wait_for_step(LOST_AT, timeout=240)
         lost_at = time.time()
         cluster.lose(next(n for n in cluster.nodes if n.rank == 1))
-        cluster.wait_for_step(LOST_AT + 8, timeout=240)  # trained alone
+        cluster.wait_for_step(LOST_AT + 3, timeout=240)  # trains alone (after TRAINER_NODE_WAIT_S)
         back_at = time.time()
         cluster.start(1)
         codes = cluster.run_to_end(timeout=240)
@@ -49,11 +49,11 @@ def test_a_node_lost_with_no_spare_shrinks_the_job_and_its_return_grows_it_back(
     changes = [(r["before"], r["after"]) for r in events(run_dir, "elastic") if r["time"] > lost_at]
     assert changes[:1] == [(2, 1)] and (1, 2) in changes, f"{changes} {WHY}"
     grew = next(r for r in events(run_dir, "elastic") if r["time"] > back_at and r["after"] == 2)
-    assert grew["layer"] == "node", f"{grew} {WHY}"
+    assert grew["layer"] == "node" and grew["step"] < STEPS, f"the job grew back before its end {grew} {WHY}"
     records = read_jsonl(run_dir / "metrics.jsonl")
     sizes = [(r["world_size"], r["accumulation"], r["tokens_per_step"]) for r in records
              if r["event"] in ("start", "resume")]
     assert (1, 2, sizes[0][2]) in sizes and len({s[2] for s in sizes}) == 1, f"{sizes} {WHY}"
-    final = [r for r in records if r["event"] == "summary"][-1]["final_loss"]
+    final = [r for r in records if r["event"] == "summary" and r["final_loss"] is not None][-1]["final_loss"]
     expected = [r for r in read_jsonl(reference / "metrics.jsonl") if r["event"] == "summary"][-1]["final_loss"]
     assert abs(final - expected) < 1e-2, f"final loss {final} against the fault-free run's {expected} {WHY}"

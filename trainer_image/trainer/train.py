@@ -388,7 +388,8 @@ def _steps(
         "event": "summary",
         "steps": progress.step,
         "tokens": progress.step * tokens_per_step,
-        "final_loss": global_mean(loss, env.world_size),
+        # an attempt that resumed at the last step trains none: no loss of its own (not the 0 it starts from)
+        "final_loss": global_mean(loss, env.world_size) if first_step <= cfg.train.steps else None,
         "wall_time_s": time.time() - res.started_at,
         "world_size": env.world_size,
         "snapshot_blocking": checkpointer.blocking_figures(),  # this process's memory checkpoints, host-thread time
