@@ -23,6 +23,13 @@ a falling loss, resharding) do not depend on its size: a 30-step run takes 7 CPU
 the same kinds of parameters (21 tensors)."""
 
 
+def fault_seed() -> int:
+    """The seed a fault test draws its fault steps from: ``FAULT_SEED`` from the environment (to replay a failure,
+    whose message names its seed), else a new one each run."""
+    given = os.environ.get("FAULT_SEED")
+    return int(given) if given else int.from_bytes(os.urandom(4), "little")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

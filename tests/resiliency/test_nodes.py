@@ -26,6 +26,7 @@ import torch
 
 from nodeharness import Cluster
 from test_recovery import BASE, FT_ENV, GRACE, HANGS, HARD_S, events, torchrun
+from testlib import fault_seed
 from trainer.checkpoint import load_model_weights
 from trainer.exitcodes import ExitCode
 
@@ -37,7 +38,7 @@ STEPS = 34
 ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
         *GRACE, *HANGS]  # the peer tier: checkpoint.replicas=auto (1 with two nodes)
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6"}
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = fault_seed()
 DRAW = random.Random(SEED)
 EXCEPTION_AT, KILLED_AT, HANG_AT, NODE_LOST_AT = (DRAW.randint(3, 5), DRAW.randint(6, 8), DRAW.randint(9, 11),
                                                   DRAW.randint(18, 20))

@@ -16,7 +16,6 @@ from the peer tier: ``test_nodes``.)
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import time
@@ -27,12 +26,13 @@ import torch
 from nodeharness import Cluster
 from test_nodes import ENV
 from test_recovery import BASE, GRACE, VENV_BIN, _run, events, node_dir
+from testlib import fault_seed
 from trainer.checkpoint import committed_steps, load_model_weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial, pytest.mark.timeout(900)]  # four launchers on 2 cores
 
 STEPS = 30
-SEED = int.from_bytes(os.urandom(4), "little")
+SEED = fault_seed()
 DRAW = random.Random(SEED)
 SPARE_AT, CORRUPT_AT, BOTH_AT = DRAW.randint(7, 8), DRAW.randint(14, 15), DRAW.randint(21, 22)
 WHY = f"(seed {SEED}: nodes lost at steps {SPARE_AT}, {CORRUPT_AT} (replicas corrupted), {BOTH_AT} (with its holder))"
