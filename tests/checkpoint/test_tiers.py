@@ -360,6 +360,30 @@ def test_a_snapshot_refused_after_it_was_copied_in_leaves_a_fresh_state_when_no_
             respawned.close(job_over=True)
 
 
+def test_a_fresh_start_after_refused_snapshots_has_a_fresh_optimizer(tmp_path, pg):
+    """Snapshots of another world size (a job that shrank) and nothing on disk: training starts fresh, and its
+    optimizer has no state yet. The restore's look at the state (the state-dict API initialises an empty optimizer's
+    state with a zero-gradient step at lr 0) must not leave AdamW a step count of 1: the first real step would take
+    the second step's bias correction (an elastic run's fresh start once diverged from the fault-free run at step 2)."""
+    state, mgr = make_state(), manager(tmp_path, persist_every=0)
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    mgr.close()
+    for meta in (tmp_path / "node").rglob("*.meta"):
+        _retag("world_size", 2)(meta, meta.with_suffix(".data"))
+    respawned = manager(tmp_path, persist_every=0)
+    try:
+        restored, reference = make_state(seed=8), make_state(seed=8)
+        assert respawned.load_latest(restored) is None
+        assert not restored["optimizer"].state
+        train_step(restored, 1)
+        train_step(reference, 1)
+        assert_equal(snapshot(restored), snapshot(reference))
+    finally:
+        respawned.close(job_over=True)
+
+
 @pytest.mark.multiprocess
 def test_a_step_one_rank_restored_and_another_refused_is_given_up_by_both(tmp_path):
     """Rank 0's snapshots verify, rank 1's fail their check, and the disk holds nothing: both start over from a

@@ -323,10 +323,15 @@ class CheckpointManager:
         self.restored_from, self.bytes_read = None, {}
         self._check_host_memory(state)  # FT: exit 2 at start, not a full /dev/shm mid-run
         step, before = None, rank_state(state)
+        unstepped = not state["optimizer"].state
         if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
             step = restore_newest(self, state, while_copying or (lambda: None))
         if step is None and self.restore_overwrote:
             self._start_over(state, fresh, before)
+        elif step is None and unstepped:
+            # The tiers were looked at through the state-dict API, which gives an optimizer without state a zero-
+            # gradient step at lr 0: AdamW's step count 1, whose bias correction the first real step would then use.
+            state["optimizer"].state.clear()
         if step is None and self.cfg.init_from:
             self.persistent.warm_start(state)
         forgotten = self.snapshots.forget_after(step)
