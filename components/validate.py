@@ -7,7 +7,8 @@ from components.lib.params import DEFAULT_IMAGE
 
 @dsl.component(base_image=DEFAULT_IMAGE, packages_to_install=[], install_kfp_package=False)
 def validate_params(
-    model: str, steps: int, checkpoint_interval: int, nodes: int, spare_nodes: int, gpus_per_node: int, procs_per_node: int,
+    model: str, steps: int, checkpoint_interval: int, nodes: int, spare_nodes: int, min_nodes: int,
+    gpus_per_node: int, procs_per_node: int,
     seq_len: int, batch_size: int, faults: str, inprocess_restart: bool, ft_max_restarts: int,
     max_cluster_restarts: int, backend: str, init_from: str, corpus: str, vocab_size: int, max_corpus_bytes: int,
     base_model: str, tokenizer: str, text_field: str, corpus_secret: str,

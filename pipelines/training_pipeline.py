@@ -108,6 +108,7 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
         checkpoint_interval: int = DEFAULTS.checkpoint_interval,
         nodes: int = DEFAULTS.nodes,
         spare_nodes: int = DEFAULTS.spare_nodes,
+        min_nodes: int = DEFAULTS.min_nodes,
         gpus_per_node: int = DEFAULTS.gpus_per_node,
         procs_per_node: int = DEFAULTS.procs_per_node,
         seq_len: int = DEFAULTS.seq_len,

@@ -15,7 +15,11 @@
 #   TRAINER_NODES                       nodes that train (the rendezvous's size); the pods beyond it (PET_NNODES -
 #                                       TRAINER_NODES, the job's spare_nodes) wait in the rendezvous as spares, and one
 #                                       takes a lost node's place without waiting for a pod to be scheduled. Default:
-#                                       PET_NNODES (no spares)
+#                                       PET_NNODES (no spares; a range's MAX)
+#   TRAINER_MIN_NODES                   fewest nodes that train on (elastic: the rendezvous runs MIN:MAX nodes); a
+#                                       PET_NNODES=MIN:MAX (a PyTorchJob's elasticPolicy) gives it too. Default: none
+#                                       fewer than TRAINER_NODES. Exported to the workers as TRAINER_NODE_RANGE=MIN:MAX
+#                                       (the trainer refuses a global batch some size of the range cannot keep)
 #   FT_MAX_RESTARTS                     in-job restart budget (worker-group restarts), default 3
 #   FT_INITIAL_RANK_HEARTBEAT_TIMEOUT   s until the first heartbeat: start-up + checkpoint load, default 1800
 #   FT_RANK_HEARTBEAT_TIMEOUT           s between heartbeats until learned from observed steps and saves;
@@ -126,15 +130,22 @@ case "$standby" in
   *) log "TRAINER_STANDBY must be True or False (1 or 0); got '$standby'"; exit "$CONFIG_ERROR" ;;
 esac
 
-[[ "$nnodes" =~ ^[0-9]+(:[0-9]+)?$ ]] || { log "PET_NNODES must be N or MIN:MAX; got '$nnodes'"; exit "$CONFIG_ERROR"; }
-spares=0
-if [[ -n "${TRAINER_NODES:-}" ]]; then  # spare pods: the operator counts them in PET_NNODES, the rendezvous must not
-  if ! [[ "$TRAINER_NODES" =~ ^[1-9][0-9]*$ && "$nnodes" =~ ^[0-9]+$ ]] || (( TRAINER_NODES > nnodes )); then
-    log "TRAINER_NODES must be a number of nodes from 1 to PET_NNODES ($nnodes); got '$TRAINER_NODES'"
-    exit "$CONFIG_ERROR"
-  fi
-  spares=$(( nnodes - TRAINER_NODES )) nnodes=$TRAINER_NODES
+[[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || { log "PET_NNODES must be N or MIN:MAX (>= 1); got '$nnodes'"; exit "$CONFIG_ERROR"; }
+pods="${nnodes##*:}" max_nodes="${TRAINER_NODES:-${nnodes##*:}}" min_nodes="${TRAINER_MIN_NODES:-}"
+[[ -z "$min_nodes" && -z "${TRAINER_NODES:-}" ]] && min_nodes="${nnodes%%:*}"  # the operator's MIN:MAX
+min_nodes="${min_nodes:-$max_nodes}"
+if ! [[ "$max_nodes" =~ ^[1-9][0-9]*$ ]] || (( max_nodes > pods )); then
+  log "TRAINER_NODES must be a number of nodes from 1 to PET_NNODES ($nnodes); got '$max_nodes'"
+  exit "$CONFIG_ERROR"
 fi
+if ! [[ "$min_nodes" =~ ^[1-9][0-9]*$ ]] || (( min_nodes > max_nodes )); then
+  log "TRAINER_MIN_NODES (or PET_NNODES's MIN) must be a number of nodes from 1 to $max_nodes (TRAINER_NODES or PET_NNODES's MAX); got '$min_nodes'"
+  exit "$CONFIG_ERROR"
+fi
+# Spare pods: the operator counts them in PET_NNODES, the rendezvous must not (a launcher beyond MAX waits).
+spares=$(( pods - max_nodes ))
+nnodes="$max_nodes" && (( min_nodes < max_nodes )) && nnodes="$min_nodes:$max_nodes"
+export TRAINER_NODE_RANGE="$min_nodes:$max_nodes"
 for pair in "PET_NPROC_PER_NODE:$nproc" "PET_NODE_RANK:$node_rank" "MASTER_PORT:$master_port" \
             "FT_MAX_RESTARTS:$max_restarts" "FT_INITIAL_RANK_HEARTBEAT_TIMEOUT:$initial_hb" \
             "FT_RANK_HEARTBEAT_TIMEOUT:$rank_hb" "FT_TERM_TIMEOUT:$term_timeout" \

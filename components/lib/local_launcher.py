@@ -143,6 +143,9 @@ class LocalJobSpec:
     spare_nodes: int = 0
     """More entrypoints that wait in the rendezvous as spares (env PET_NNODES = nodes + spare_nodes, TRAINER_NODES =
     nodes); one takes a lost node's place. The launcher counts them and says when the last one is in use."""
+    min_nodes: int = 0
+    """Fewest nodes that train on when one is lost and none takes its place within the entrypoint's
+    TRAINER_NODE_WAIT_S (env TRAINER_MIN_NODES, TRAINER_NODES = nodes); 0 or ``nodes``: not elastic."""
     ft_max_restarts: int = 3
     """In-job restart budget of ft_launcher (env FT_MAX_RESTARTS)."""
     max_cluster_restarts: int = 0
@@ -172,6 +175,13 @@ class LocalJobSpec:
         for name in ("ft_max_restarts", "max_cluster_restarts", "spare_nodes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if not 0 <= self.min_nodes <= self.nodes:
+            raise ValueError(f"min_nodes must be from 0 (not elastic) to nodes ({self.nodes}); got {self.min_nodes}")
+
+    @property
+    def elastic(self) -> bool:
+        """The job goes on with fewer nodes (from ``min_nodes``) when a node is lost and none takes its place."""
+        return 0 < self.min_nodes < self.nodes
 
 
 @dataclass
@@ -392,7 +402,8 @@ class _Run:
             "MASTER_PORT": str(self.port),
             **spec.env,
             "PET_NNODES": str(self.pods),
-            **({"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes else {}),
+            **({"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes or spec.elastic else {}),
+            **({"TRAINER_MIN_NODES": str(spec.min_nodes)} if spec.elastic else {}),
             "PET_NODE_RANK": str(node),
             "NPROC_PER_NODE": str(spec.nproc_per_node),
             "FT_MAX_RESTARTS": str(spec.ft_max_restarts),

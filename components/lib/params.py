@@ -9,6 +9,7 @@ defaults (`DEFAULTS`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -120,6 +121,11 @@ class PipelineParams:
     spare_nodes: int = 0
     """Pods beyond ``nodes`` that wait in the rendezvous as spares: one takes a lost node's place at once, without
     waiting for a pod to be scheduled (its ranks restore from the peer tier); a lost pod's replacement becomes one."""
+    min_nodes: int = 0
+    """Elastic (opt-in): the fewest nodes that train on when a node is lost and neither a spare nor a replacement pod
+    joins within TRAINER_NODE_WAIT_S; the job grows back when one does. The global batch stays the full size's (the
+    ranks left accumulate the missing micro-batches), so every size from min_nodes to nodes must divide it. 0 (or
+    nodes): the job waits for the lost node."""
     gpus_per_node: int = 0
     """GPUs (= ranks) per node; 0 trains on CPU with procs_per_node ranks (gloo)."""
     procs_per_node: int = 2
@@ -224,6 +230,8 @@ class PipelineParams:
         _range(e, "steps", self.steps, 1, MAX_STEPS)
         _range(e, "nodes", self.nodes, 1, MAX_NODES)
         _range(e, "spare_nodes", self.spare_nodes, 0, MAX_NODES)
+        _range(e, "min_nodes", self.min_nodes, 0, self.nodes if _is_int(self.nodes) else MAX_NODES,
+               hint="(0 = not elastic)")
         _range(e, "gpus_per_node", self.gpus_per_node, 0, MAX_GPUS_PER_NODE)
         _range(e, "procs_per_node", self.procs_per_node, 1, MAX_PROCS_PER_NODE)
         _range(e, "ft_max_restarts", self.ft_max_restarts, 0, MAX_RESTARTS)
@@ -267,6 +275,7 @@ class PipelineParams:
         self._check_image(e)
         self._check_k8s_fields(e)
         self._check_overrides(e)
+        self._check_elastic(e)
         return e
 
     def _check_corpus(self, e: list[str]) -> None:
@@ -396,6 +405,39 @@ class PipelineParams:
             elif f"{m.group(1)}.{m.group(2)}" in RESERVED_OVERRIDES:
                 e.append(f"trainer override {item!r} sets a key the pipeline controls; use the pipeline parameter "
                          "instead (steps, checkpoint_interval, faults, inprocess_restart, gpus_per_node, workdir)")
+
+    def _check_elastic(self, e: list[str]) -> None:
+        """Elastic: every size from min_nodes to nodes splits the global batch into whole micro-batches (its ranks
+        accumulate the missing nodes' ones). With batch_size 0 (the flavour's, which the trainer reads) a given
+        global batch is checked per rank only here; the trainer checks the rest at start (trainer.config)."""
+        if not (_is_int(self.min_nodes) and _is_int(self.nodes) and 0 < self.min_nodes < self.nodes) or \
+                not _is_int(self.batch_size) or not isinstance(self.trainer_overrides, list):
+            return
+        sizes, ranks = range(self.min_nodes, self.nodes + 1), self.procs_per_rank_node
+        given = [m.group(3) for m in map(_OVERRIDE.match, (o for o in self.trainer_overrides if isinstance(o, str)))
+                 if m and (m.group(1), m.group(2)) == ("train", "global_batch")]
+        unit = math.lcm(*sizes) * ranks
+        every = (f"a multiple of {unit * self.batch_size}" if self.batch_size else
+                 f"a multiple of batch_size x {unit}")
+        fix = f"'--train.global_batch=<{every}>' in trainer_overrides"
+        if not given:
+            lost = [k for k in sizes if self.nodes % k]
+            if lost:
+                e.append(f"min_nodes={self.min_nodes} cannot keep the global batch of {self.nodes} nodes on {lost[0]} "
+                         f"nodes (it does not split into whole micro-batches there): set min_nodes={lost[-1] + 1}, "
+                         f"or a global batch every size from {self.min_nodes} to {self.nodes} nodes divides: {fix}")
+            return
+        try:
+            batch = int(given[-1])
+        except ValueError:
+            e.append(f"trainer override --train.global_batch={given[-1]!r} must be a whole number of sequences")
+            return
+        per_node = (self.batch_size or 1) * ranks
+        lost = [k for k in sizes if batch <= 0 or batch % (per_node * k)]
+        if lost:
+            keeps = f"set min_nodes={lost[-1] + 1}, or " if lost[-1] < self.nodes else ""
+            e.append(f"--train.global_batch={batch} cannot be kept on {lost[0]} nodes of {ranks} rank(s) (min_nodes="
+                     f"{self.min_nodes} to nodes={self.nodes}): {keeps}{fix}")
 
     def validate(self) -> PipelineParams:
         """Raise `ParamError` listing every problem; return self when valid."""

@@ -28,6 +28,17 @@ training pod tolerates those two taints for `NODE_LOST_TOLERATION_S` instead of 
 the spec brings its own toleration for the key): `pod_tolerations`. The operator creates the replacement, under the
 same name, only once the old pod object is gone: at once where the node's kubelet still answers, else when the node
 object is deleted or tainted ``node.kubernetes.io/out-of-service`` (PodGC then force-deletes its terminating pods).
+
+Elastic training (``min_nodes``): the job trains on with fewer nodes, down to ``min_nodes``, when a node is lost and
+neither a spare nor the replacement joins in time. The entrypoint runs the launcher with ``--nnodes MIN:MAX`` from
+``TRAINER_MIN_NODES`` and ``TRAINER_NODES`` (pods beyond MAX wait as spares), both set in the container env. The
+PyTorchJob also carries ``spec.elasticPolicy`` (c10d, ``minReplicas``/``maxReplicas`` = min_nodes/nodes), so the
+operator's env agrees: it sets ``PET_NNODES`` = "min:max" instead of the replica count, ``PET_RDZV_BACKEND``, and
+``PET_RDZV_ENDPOINT`` = rdzvHost:rdzvPort (pkg/controller.v1/pytorch/elastic.go, envvar.go). rdzvHost is
+``<job>-master-0`` and rdzvPort `PYTORCHJOB_PORT` because the operator would otherwise name ``<job>-worker-0``,
+while our rendezvous is hosted by the Master (``MASTER_ADDR``). maxRestarts stays unset (no ``PET_MAX_RESTARTS``):
+the in-job restart budget is ``FT_MAX_RESTARTS``. nProcPerNode stays out of the policy: the webhook forbids it
+together with ``spec.nprocPerNode``.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubeflow.training import (
+    KubeflowOrgV1ElasticPolicy,
     KubeflowOrgV1PyTorchJob,
     KubeflowOrgV1PyTorchJobSpec,
     KubeflowOrgV1ReplicaSpec,
@@ -66,7 +78,12 @@ FT_MAX_RESTARTS_ENV = "FT_MAX_RESTARTS"
 NODE_NAME_ENV = "NODE_NAME"
 """The training pods' node name (downward API), which the trainer's host-naming lines read."""
 NODES_ENV = "TRAINER_NODES"
-"""entrypoint.sh: the nodes that train; the job's other pods (``spare_nodes``) wait in the rendezvous as spares."""
+"""entrypoint.sh: the nodes that train (the rendezvous's max); the job's other pods (``spare_nodes``) wait as spares."""
+MIN_NODES_ENV = "TRAINER_MIN_NODES"
+"""entrypoint.sh: the fewest nodes that train on (the rendezvous's min); set with `NODES_ENV` when elastic."""
+PYTORCHJOB_PORT = 23456
+"""training-operator v1.9's default master port: the container port ``pytorchjob-port`` (``MASTER_PORT``)."""
+RDZV_BACKEND = "c10d"
 LOCAL_ADDR_ENV = "FT_LOCAL_ADDR"
 """entrypoint.sh: this node's address in the rendezvous (a fresh round numbers nodes in the order of these)."""
 NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
@@ -97,8 +114,8 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 # Set by the training-operator (rendezvous) or by this module; a user value would be overwritten.
 RESERVED_ENV = frozenset(
-    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, LOCAL_ADDR_ENV, NODES_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-     "PYTHONUNBUFFERED"}
+    {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, LOCAL_ADDR_ENV, NODES_ENV, MIN_NODES_ENV, "MASTER_ADDR", "MASTER_PORT",
+     "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED"}
 )
 RESERVED_ENV_PREFIX = "PET_"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -157,6 +174,9 @@ class TrainJobSpec:
     spare_nodes: int = 0
     """More Workers that wait in the rendezvous as spares (``TRAINER_NODES`` = nodes): one takes a lost node's place
     without waiting for a pod to be scheduled; a lost pod's replacement becomes a spare in turn."""
+    min_nodes: int = 0
+    """Fewest nodes that train on when a node is lost with no spare and no replacement within the entrypoint's
+    ``TRAINER_NODE_WAIT_S`` (``TRAINER_MIN_NODES``); 0 or ``nodes``: not elastic (the default)."""
     nproc_per_node: int = 1
     """Ranks per pod; equals gpus_per_node when GPUs are used."""
     gpus_per_node: int = 0
@@ -206,6 +226,11 @@ class TrainJobSpec:
         if errors:
             raise ValueError(f"invalid TrainJobSpec {self.name!r}:\n  - " + "\n  - ".join(errors))
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the job trains on with fewer nodes (down to min_nodes) when one is lost: 0 < min_nodes < nodes."""
+        return 0 < self.min_nodes < self.nodes
+
 
 def _spec_errors(s: TrainJobSpec) -> list[str]:
     errors: list[str] = []
@@ -220,12 +245,16 @@ def _spec_errors(s: TrainJobSpec) -> list[str]:
         errors.append("image must name the trainer image; got an empty string")
     if isinstance(s.args, str):
         errors.append(f"args must be a list of CLI arguments, not one string; got {s.args!r}")
-    for fname, low in (("nodes", 1), ("spare_nodes", 0), ("nproc_per_node", 1), ("gpus_per_node", 0), ("backoff_limit", 0),
-                       ("active_deadline_seconds", 1), ("ttl_seconds_after_finished", 0),
+    for fname, low in (("nodes", 1), ("spare_nodes", 0), ("nproc_per_node", 1), ("gpus_per_node", 0),
+                       ("backoff_limit", 0), ("active_deadline_seconds", 1), ("ttl_seconds_after_finished", 0),
                        ("ft_max_restarts", 0), ("max_cluster_restarts", 0)):
         value = getattr(s, fname)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             errors.append(f"{fname} must be an integer >= {low}; got {value!r}")
+    if not isinstance(s.min_nodes, int) or isinstance(s.min_nodes, bool) or s.min_nodes < 0 \
+            or (isinstance(s.nodes, int) and s.min_nodes > s.nodes):
+        errors.append(f"min_nodes must be an integer from 0 to nodes ({s.nodes!r}): the fewest nodes that train on, "
+                      f"0 to turn elastic training off; got {s.min_nodes!r}")
     if isinstance(s.gpus_per_node, int) and s.gpus_per_node > 0 and s.nproc_per_node != s.gpus_per_node:
         errors.append(
             f"nproc_per_node must equal gpus_per_node (one rank per GPU); got {s.nproc_per_node} and {s.gpus_per_node}"
@@ -310,8 +339,10 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
            # the headless Service the operator makes for that index (other pods resolve it)
            k8s.V1EnvVar(name=LOCAL_ADDR_ENV, value_from=k8s.V1EnvVarSource(
                field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))]
-    if spec.spare_nodes:  # the operator counts every pod in PET_NNODES; the rendezvous takes only `nodes` of them
+    if spec.spare_nodes or spec.elastic:  # the rendezvous's max: the operator counts every pod in PET_NNODES
         env.append(k8s.V1EnvVar(name=NODES_ENV, value=str(spec.nodes)))
+    if spec.elastic:  # the rendezvous's min: entrypoint.sh runs the launcher with --nnodes MIN:MAX
+        env.append(k8s.V1EnvVar(name=MIN_NODES_ENV, value=str(spec.min_nodes)))
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in sorted(spec.env.items())]
     if spec.credentials_secret:  # for the base model's download (trainer model.from_hf=hf://..., s3://...)
         env += [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
@@ -368,8 +399,22 @@ def _labels(spec: TrainJobSpec) -> dict[str, str]:
     return {**spec.labels, MANAGED_BY_LABEL: MANAGED_BY}
 
 
+def master_host(name: str) -> str:
+    """The Master pod's host name and headless Service, ``<job>-master-0``: the rendezvous host (MASTER_ADDR)."""
+    return f"{name}-{MASTER.lower()}-0"
+
+
+def _elastic_policy(spec: TrainJobSpec) -> KubeflowOrgV1ElasticPolicy | None:
+    """`spec.elasticPolicy` when elastic (module docstring): no nProcPerNode, no maxRestarts."""
+    if not spec.elastic:
+        return None
+    return KubeflowOrgV1ElasticPolicy(rdzv_backend=RDZV_BACKEND, min_replicas=spec.min_nodes, max_replicas=spec.nodes,
+                                      rdzv_host=master_host(spec.name), rdzv_port=PYTORCHJOB_PORT)
+
+
 def build_pytorchjob(spec: TrainJobSpec) -> KubeflowOrgV1PyTorchJob:
-    """The PyTorchJob for `spec`: one Master, nodes-1+spare_nodes Workers, restartPolicy ExitCode on each."""
+    """The PyTorchJob for `spec`: one Master, nodes-1+spare_nodes Workers, restartPolicy ExitCode on each, and an
+    elasticPolicy when `spec.elastic`."""
     if spec.model_initializer is not None:
         raise ValueError(f"TrainJobSpec {spec.name!r}: a PyTorchJob has no model initializer; pass the base model's "
                          "URI to the trainer (model.from_hf) and credentials_secret for its download")
@@ -386,6 +431,7 @@ def build_pytorchjob(spec: TrainJobSpec) -> KubeflowOrgV1PyTorchJob:
                                   annotations=dict(spec.annotations) or None),
         spec=KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=str(spec.nproc_per_node),  # here only, never also in elasticPolicy (webhook)
+            elastic_policy=_elastic_policy(spec),
             pytorch_replica_specs=replicas,
             run_policy=KubeflowOrgV1RunPolicy(
                 backoff_limit=spec.backoff_limit,
@@ -410,9 +456,17 @@ def webhook_errors(manifest: Mapping[str, Any]) -> list[str]:
         errors.append(f"metadata.name: Invalid value {name!r}: must be a DNS-1035 label "
                       "(lowercase alphanumerics and '-', starting with a letter, at most 63 chars)")
     spec = manifest.get("spec", {})
-    elastic_nproc = (spec.get("elasticPolicy") or {}).get("nProcPerNode")
+    elastic = spec.get("elasticPolicy")
+    if elastic is not None and WORKER not in (spec.get("pytorchReplicaSpecs") or {}):
+        errors.append(f"spec.pytorchReplicaSpecs[{WORKER}]: Required value: must be configured if elastic policy "
+                      "is used")
+    elastic_nproc = (elastic or {}).get("nProcPerNode")
     if elastic_nproc is not None and spec.get("nprocPerNode") is not None:
         errors.append("spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode")
+    low, high = (elastic or {}).get("minReplicas"), (elastic or {}).get("maxReplicas")
+    # ours, not the webhook's (v1.9 does not compare them): torchrun refuses --nnodes MIN:MAX with MIN > MAX
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        errors.append(f"spec.elasticPolicy.minReplicas: Invalid value {low!r}: must not exceed maxReplicas ({high!r})")
     replica_specs = spec.get("pytorchReplicaSpecs")
     if not replica_specs:
         return errors + ["spec.pytorchReplicaSpecs: Required value: must be required"]

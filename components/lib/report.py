@@ -60,11 +60,19 @@ def _restarts(ledger: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [r for r in _events(ledger, "restart") if r.get("rank", 0) == 0]
 
 
+def _elastic(ledger: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Rank 0's ``elastic`` records (one per change of world size) with a readable time and new size, oldest first."""
+    changes = [r for r in ledger if r.get("event") == "elastic" and r.get("rank", 0) == 0
+               and _num(r.get("time")) is not None and _num(r.get("after")) is not None]
+    return sorted(changes, key=lambda r: _num(r["time"]) or 0.0)
+
+
 def summarize_ledger(ledger: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Faults, restarts per layer, steps redone, recovery time and goodput from the recovery ledger.
+    """Faults, restarts per layer, steps redone, recovery time, size changes and goodput from the recovery ledger.
 
     Restarts are counted from rank 0's ``restart`` records (one per recovery); steps redone and
-    recovery time from the ``recovered`` records; goodput from the newest ``summary`` record.
+    recovery time from the ``recovered`` records; ``size_changes`` from rank 0's ``elastic`` records (restarts on
+    another world size); goodput from the newest ``summary`` record.
     """
     restarts = _restarts(ledger)
     recovered = _events(ledger, "recovered")
@@ -75,6 +83,7 @@ def summarize_ledger(ledger: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "steps_redone": int(sum(_num(r.get("steps_redone")) or 0 for r in recovered)),
         "recovery_s": {layer: round(sum(_num(r.get("recovery_s")) or 0 for r in recovered if r["layer"] == layer), 3)
                        for layer in LAYERS},
+        "size_changes": len(_elastic(ledger)),
         "goodput": _num(summary.get("goodput")),
         "productive_s": _num(summary.get("productive_s")),
         "wall_s": _num(summary.get("wall_s")),
@@ -151,23 +160,35 @@ def loss_chart(points: Sequence[tuple[float, float]], markers: Sequence[tuple[fl
 
 def recovery_spans(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One span per recovery: layer, start (the fault, else the restart), end (first productive step)."""
-    spans = []
+    spans, changes = [], _elastic(ledger)
     for r in _events(ledger, "recovered"):
         end, took = _num(r.get("time")), _num(r.get("recovery_s"))
         if end is not None:
+            resized = _resized(changes, r["layer"], end - (took or 0.0), end)
             spans.append({"layer": r["layer"], "start": end - (took or 0.0), "end": end,
                           "label": f"{r.get('fault_kind') or 'fault'} at step {r.get('fault_step')}: "
                                    f"{LAYER_TITLES[r['layer']]} recovery, first productive step {r.get('step')} "
                                    f"after {took or 0:.1f} s, {r.get('steps_redone')} step(s) redone"
-                                   f"{_tiers(r.get('tiers'))}"})
+                                   f"{_tiers(r.get('tiers'))}{resized}"})
     done = {(s["layer"], round(s["end"], 3)) for s in spans}
     for r in _restarts(ledger):  # a restart whose first step never completed
         t = _num(r.get("time"))
         if t is not None and not any(layer == r["layer"] and end >= t for layer, end in done):
             spans.append({"layer": r["layer"], "start": t, "end": t,
                           "label": f"{LAYER_TITLES[r['layer']]} restart at step {r.get('resumed_step')} "
-                                   "(no productive step followed)"})
+                                   f"(no productive step followed){_resized(changes, r['layer'], t, t + 1.0)}"})
     return sorted(spans, key=lambda s: s["start"])
+
+
+def _resized(changes: Sequence[Mapping[str, Any]], layer: str, start: float, end: float) -> str:
+    """``; world size 2 -> 1 ranks``: the change of size a recovery of this layer between start and end came with."""
+    return "".join(f"; world size {_fmt_n(c.get('before'))} -> {_fmt_n(c.get('after'))} ranks" for c in changes
+                   if c.get("layer") == layer and start <= (_num(c.get("time")) or 0.0) <= end)
+
+
+def _fmt_n(v: Any) -> str:
+    """A number as the report prints it, anything else as ``?``."""
+    return "?" if (n := _num(v)) is None else _fmt(n)
 
 
 def _tiers(tiers: Any) -> str:
@@ -211,6 +232,93 @@ def timeline_chart(spans: Sequence[Mapping[str, Any]], t0: float | None, t_end: 
     return _svg("Recoveries by layer over time", parts)
 
 
+def size_periods(metrics: Sequence[Mapping[str, Any]], ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One period per world size in force, from rank 0's ``elastic`` records ([] when the size never changed).
+
+    The first runs from the first ``start`` (else the oldest record) to the first change, each later one from its
+    change to the next, the last to the newest record. Per period: ``ranks``; ``start``/``end`` (Unix seconds);
+    ``from_step`` (the step it resumed from; 0 after a fresh start); ``to_step`` (the step the next change resumed
+    from, else the newest step logged); ``steps`` (the newest step logged in it minus ``from_step``: steps later
+    redone count, as they cost the time); ``tokens_per_s`` (the mean of its step records: the throughput at that
+    size); ``accumulation`` (from the newest ``start``/``resume`` record of that size in ``metrics.jsonl``).
+    A step record belongs to the period its time falls in; a missing field leaves its cell None, never an error.
+    """
+    changes = _elastic(ledger)
+    if not changes:
+        return []
+    times = [t for r in [*metrics, *ledger] if (t := _num(r.get("time"))) is not None]
+    starts = [r for r in [*ledger, *metrics] if r.get("event") == "start"]
+    first = _num(changes[0]["time"]) or 0.0
+    t0 = min([t for r in starts if (t := _num(r.get("time"))) is not None] or times)
+    ranks0 = next((n for n in [_num(changes[0].get("before")), *(_num(r.get("world_size")) for r in starts)]
+                   if n is not None), None)
+    bounds = [(min(t0, first), ranks0, 0.0 if starts else None)]
+    bounds += [(_num(c["time"]) or 0.0, _num(c["after"]), _num(c.get("step"))) for c in changes]
+    t_end = max(times)
+    steps = [(t, s, _num(r.get("tokens_per_s"))) for r in metrics if r.get("event") == "step"
+             and (t := _num(r.get("time"))) is not None and (s := _num(r.get("step"))) is not None]
+    sized = [(t, r) for r in metrics
+             if r.get("event") in ("start", "resume") and (t := _num(r.get("time"))) is not None]
+    periods = []
+    for i, (start, ranks, from_step) in enumerate(bounds):
+        last = i == len(bounds) - 1
+        end = t_end if last else bounds[i + 1][0]
+        mine = [(s, tps) for t, s, tps in steps if start <= t < end or (last and t == end)]
+        newest = max((s for s, _ in mine), default=None)
+        rates = [tps for _, tps in mine if tps is not None]
+        prev = bounds[i - 1][0] if i else -math.inf  # a resume record is written just before its elastic record
+        acc = [r.get("accumulation") for t, r in sized if prev <= t < end and _num(r.get("world_size")) == ranks]
+        periods.append({"ranks": ranks, "start": start, "end": end, "from_step": from_step,
+                        "to_step": newest if last else bounds[i + 1][2], "change": None if i == 0 else changes[i - 1],
+                        "steps": None if newest is None or from_step is None else newest - from_step,
+                        "tokens_per_s": sum(rates) / len(rates) if rates else None,
+                        "accumulation": _num(acc[-1]) if acc else None})
+    return periods
+
+
+def size_chart(periods: Sequence[Mapping[str, Any]]) -> str:
+    """SVG step function of the ranks in force over time; each change a dashed line (layer colour) titled with its
+    step, sizes and cause."""
+    known = [p for p in periods if p["ranks"] is not None]
+    if not known:
+        return '<p class="empty">No world size was recorded.</p>'
+    t0 = periods[0]["start"]
+    top = max(5.0, math.ceil(max(p["ranks"] for p in known) * 1.2))  # >= 5: whole-number ticks
+    parts, (sx, sy) = _axes(0.0, max(p["end"] for p in periods) - t0, 0.0, top, "seconds since the run started",
+                            "ranks (world size)")
+    line: list[tuple[float, float]] = []
+    for p in known:
+        line += [(p["start"] - t0, p["ranks"]), (p["end"] - t0, p["ranks"])]
+    parts.append(_polyline(line, sx, sy, "#2a6", "ranks in force"))
+    for p in periods:
+        if (c := p["change"]) is None:
+            continue
+        x = sx(p["start"] - t0)
+        label = (f"step {_fmt_n(c.get('step'))}: {_fmt_n(c.get('before'))} -> {_fmt_n(c.get('after'))} ranks, "
+                 f"cause {c.get('cause') or 'unknown'}, {LAYER_TITLES.get(str(c.get('layer')), 'unknown layer')}")
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{H - PAD_B}" stroke-dasharray="4 3" '
+                     f'stroke="{LAYER_COLOURS.get(str(c.get("layer")), "#666")}"><title>{html.escape(label)}</title>'
+                     f'</line><text x="{x + 3:.1f}" y="{PAD_T + 12}" font-size="10">step '
+                     f'{html.escape(_fmt_n(c.get("step")))}</text>')
+    return _svg("World size over time", parts)
+
+
+def size_html(periods: Sequence[Mapping[str, Any]]) -> str:
+    """The chart and one table row per period at a size."""
+    head = ("ranks", "from step", "to step", "duration (s)", "steps trained", "mean tokens/s", "accumulation",
+            "changed by")
+    rows = []
+    for p in periods:
+        c = p["change"] or {}
+        cells = [_fmt_n(p["ranks"]), _fmt_n(p["from_step"]), _fmt_n(p["to_step"]), f"{p['end'] - p['start']:.1f}",
+                 _fmt_n(p["steps"]), _fmt_n(p["tokens_per_s"]),
+                 _fmt_n(p["accumulation"]), f"{c.get('cause') or 'unknown'} ({c.get('layer')})" if c else "start"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in cells) + "</tr>")
+    return (size_chart(periods) + '<p class="legend">dashed: a restart on another world size (colour: its layer); '
+            "steps trained include those later redone; tokens/s: the mean of the period's logged steps.</p>"
+            + "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>")
+
+
 STRAGGLER_COLOUR, RANK_COLOURS = "#d62728", ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 MAX_RANK_LINES = 8
 
@@ -250,7 +358,8 @@ def straggler_chart(series: Mapping[str, Any], evictions: Sequence[Mapping[str, 
     worst = sorted(times, key=lambda k: (k not in flagged, -max(t for _, t in times[k])))
     shown = sorted(worst[:MAX_RANK_LINES])
     others = [k for k in times if k not in shown]
-    xs = [s for pts in times.values() for s, _ in pts] + [s for e in evictions if (s := _num(e.get("step"))) is not None]
+    xs = [s for pts in times.values() for s, _ in pts]
+    xs += [s for e in evictions if (s := _num(e.get("step"))) is not None]
     ys = [t for pts in times.values() for _, t in pts]
     pad = (max(ys) - min(ys)) * 0.05 or max(ys) * 0.05 or 0.01
     parts, (sx, sy) = _axes(min(xs), max(xs), max(0.0, min(ys) - pad), max(ys) + pad, "step (straggler reports)",
@@ -270,7 +379,8 @@ def straggler_chart(series: Mapping[str, Any], evictions: Sequence[Mapping[str, 
         parts.append(_polyline(times[rank], sx, sy, colour, f"rank {rank} ({hosts[rank]})"))
         for s, t in flagged.get(rank, []):
             parts.append(f'<circle cx="{sx(s):.1f}" cy="{sy(t):.1f}" r="4" fill="{STRAGGLER_COLOUR}"><title>'
-                         f'{html.escape(f"step {_fmt(s)}: rank {rank} on {hosts[rank]} named a straggler")}</title></circle>')
+                         f'{html.escape(f"step {_fmt(s)}: rank {rank} on {hosts[rank]} named a straggler")}'
+                         '</title></circle>')
         s, t = times[rank][-1]
         parts.append(f'<text x="{min(sx(s) + 4, W - PAD_R - 40):.1f}" y="{sy(t) - 4:.1f}" font-size="11" '
                      f'fill="{colour}">rank {rank}</text>')
@@ -335,7 +445,8 @@ def planning_html(plan: Mapping[str, Any], png: bytes | None = None) -> str:
                  f"{100 * (goodput - PLAN_GOAL):+.2f} points"]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     out = [f"<p>Projected from this run's own measured costs at {cluster.get('gpus', 0):,} GPUs "
-           f"({cluster.get('spare_nodes', 0)} spare nodes, a replacement pod in {cluster.get('replacement_s', 0):.0f} s), "
+           f"({cluster.get('spare_nodes', 0)} spare nodes, a replacement pod in "
+           f"{cluster.get('replacement_s', 0):.0f} s), "
            f"failure model {html.escape(str(model.get('name')))} (MTBF {model.get('mtbf_h')} h at this size; "
            f"{html.escape(str(model.get('source')))}). Losses are shares of wall time.</p>",
            f"<table><tr>{head}</tr>{''.join(rows)}</table>"]
@@ -387,6 +498,10 @@ def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: S
     out.append(f'<p class="legend">{legend}</p>')
     if spans:
         out.append("<ul>" + "".join(f"<li>{html.escape(s['label'])}</li>" for s in spans) + "</ul>")
+    if any(r.get("event") == "elastic" for r in ledger):  # the run changed size: the size in force over time
+        periods = size_periods(metrics, ledger)
+        out.append("<h2>World size</h2>")
+        out.append(size_html(periods) if periods else '<p class="empty">No readable change of world size.</p>')
     out.append("<h2>Stragglers</h2>")
     series = straggler_series(metrics)
     evictions = [r for r in ledger if r.get("event") == "straggler_evicted"]
@@ -414,6 +529,7 @@ def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: S
         *((f"restarts: {LAYER_TITLES[k]}", v) for k, v in summary["restarts"].items()),
         *((f"recovery time: {LAYER_TITLES[k]} (s)", v) for k, v in summary["recovery_s"].items()),
         ("steps redone", summary["steps_redone"]),
+        *([("changes of world size", summary["size_changes"])] if summary["size_changes"] else []),
     ]))
     if planning is not None:
         out.append("<h2>Goodput at scale (planner)</h2>")

@@ -139,7 +139,8 @@ class LocalBackend:
         from components.lib.local_launcher import ECHO_ALL, ECHO_ENV, LocalJobSpec, LocalLauncher
 
         spec = LocalJobSpec(
-            args=args, nodes=p.nodes, spare_nodes=p.spare_nodes, nproc_per_node=p.procs_per_rank_node,
+            args=args, nodes=p.nodes, spare_nodes=p.spare_nodes, min_nodes=p.min_nodes,
+            nproc_per_node=p.procs_per_rank_node,
             ft_max_restarts=p.ft_max_restarts,
             max_cluster_restarts=p.max_cluster_restarts, state_dir=layout.launcher_dir, total_steps=p.steps,
             entrypoint=self.entrypoint, deadline_s=p.deadline_hours * 3600, relaunch_delay_s=self.relaunch_delay_s,
@@ -181,7 +182,7 @@ class PyTorchJobBackend:
         queue = os.environ.get(KUEUE_QUEUE_ENV, "").strip()
         return TrainJobSpec(
             name=job_name(layout.run_id, TRAIN_STEP_NAME), image=p.image, args=args, namespace=namespace(p),
-            nodes=p.nodes, spare_nodes=p.spare_nodes, nproc_per_node=p.procs_per_rank_node,
+            nodes=p.nodes, spare_nodes=p.spare_nodes, min_nodes=p.min_nodes, nproc_per_node=p.procs_per_rank_node,
             gpus_per_node=p.gpus_per_node,
             pvc_name=p.pvc_name, mount_path=SHARED_MOUNT, node_selector=dict(p.node_selector),
             tolerations=list(p.tolerations), image_pull_secrets=list(p.image_pull_secrets),
@@ -193,6 +194,7 @@ class PyTorchJobBackend:
     def run(self, p: PipelineParams, layout: RunLayout, args: list[str], out: TextIO) -> BackendRun:
         spec = self.spec(p, layout, args)
         spares = f" and {spec.spare_nodes} spare(s)" if spec.spare_nodes else ""
+        spares += f", going on with {spec.min_nodes} or more" if 0 < spec.min_nodes < spec.nodes else ""
         out.write(f"[train] {self.kind} {spec.namespace}/{spec.name}: {spec.nodes} node(s) x {spec.nproc_per_node} "
                   f"rank(s){spares}, image {spec.image}\n")
         result = self._launcher().run(spec)
@@ -315,6 +317,7 @@ def collect_outcome(p: PipelineParams, layout: RunLayout, backend_run: BackendRu
         **{f"restarts_{layer}": float(n) for layer, n in recovery["restarts"].items()},
         "faults": float(recovery["faults"]),
         "steps_redone": float(recovery["steps_redone"]),
+        "size_changes": float(recovery["size_changes"]),  # elastic: the job shrank or grew back (min_nodes)
         "step_attempts": float(step_attempts(layout)),
     }
     if recovery["goodput"] is not None:

@@ -30,7 +30,8 @@ def test_runtime_renders_and_validates():
     validate_object(runtime)
     assert "namespace" not in runtime["metadata"]  # cluster-scoped
     (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
-    assert node["name"] == trainjob.NODE and node["template"]["metadata"]["labels"][trainjob.ANCESTOR_LABEL] == "trainer"
+    assert node["name"] == trainjob.NODE
+    assert node["template"]["metadata"]["labels"][trainjob.ANCESTOR_LABEL] == "trainer"
     pod = node["template"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["name"] == trainjob.NODE and container["command"] == [ENTRYPOINT]
@@ -61,6 +62,8 @@ CASES = {
         labels={KUEUE_LABEL: "train-queue"}, service_account="trainer", ft_max_restarts=5,
         image_pull_secrets=["regcred", "mirror-cred"]),
     "2 nodes and a spare": dict(nodes=2, spare_nodes=1),
+    "4 nodes, min 2, a spare": dict(nodes=4, min_nodes=2, spare_nodes=1, nproc_per_node=8, gpus_per_node=8),
+    "2 nodes, min 1": dict(nodes=2, min_nodes=1),
 }
 
 
@@ -81,8 +84,12 @@ def test_trainjob_validates_and_carries_the_run(case):
         spec.image, list(spec.args), spec.nodes + spec.spare_nodes, spec.nproc_per_node)
     env = {e["name"]: e.get("value") for e in t["env"] if "value" in e}
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in t["env"]
-    spares = {"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes else {}  # the rendezvous's size: the rest wait
-    assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **spares, **spec.env}
+    elastic = 0 < spec.min_nodes < spec.nodes
+    # the rendezvous's size (its max): the rest wait as spares; its min when elastic (entrypoint: --nnodes MIN:MAX)
+    nodes = {"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes or elastic else {}
+    nodes |= {"TRAINER_MIN_NODES": str(spec.min_nodes)} if elastic else {}
+    assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **nodes, **spec.env}
+    assert "elasticPolicy" not in body and "elasticPolicy" not in t  # Trainer v2 has none: the entrypoint's range
     assert t["resourcesPerNode"].get("limits", {}).get("nvidia.com/gpu") == (
         str(spec.gpus_per_node) if spec.gpus_per_node else None)
     (patch,) = body["runtimePatches"]
@@ -224,3 +231,18 @@ def test_initializer_settings_that_cannot_work_fail_before_submission():
     errors = trainjob.webhook_errors(manifest)
     assert any("must have model-initializer job" in e for e in errors), errors
     assert any("'model-initializer' is not in runtime" in e for e in errors), errors
+
+
+def test_elastic_trainjob_carries_the_node_range_in_the_trainer_env():
+    """min_nodes on a TrainJob: no elastic policy (Trainer v2 has none); numNodes counts every pod, and the trainer
+    env gives entrypoint.sh the rendezvous's range: TRAINER_MIN_NODES:TRAINER_NODES."""
+    spec = spec_for("trainjob", nodes=4, min_nodes=3, spare_nodes=2, env={"NCCL_DEBUG": "WARN"})
+    manifest = trainjob.to_manifest(trainjob.build_trainjob(spec))
+    validate_custom(manifest)  # deploy/crds/trainer.kubeflow.org_trainjobs.v2.3.0.yaml, nothing pruned
+    assert trainjob.webhook_errors(manifest) == []
+    t = manifest["spec"]["trainer"]
+    assert t["numNodes"] == 6
+    values = [(e["name"], e.get("value")) for e in t["env"]]
+    assert [v for v in values if v[0].startswith("TRAINER_")] == [("TRAINER_NODES", "4"), ("TRAINER_MIN_NODES", "3")]
+    plain = trainjob.to_manifest(trainjob.build_trainjob(spec_for("trainjob", nodes=4, min_nodes=4)))
+    assert not [e for e in plain["spec"]["trainer"]["env"] if e["name"].startswith("TRAINER_")]

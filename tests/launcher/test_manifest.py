@@ -60,6 +60,8 @@ SPECS = {
                                  memory_limit="512Gi", shm_size="64Gi"),
     "gpu-4-nodes-pvc": TrainJobSpec(name=NAME, image="trainer:1", args=ARGS, nodes=4, nproc_per_node=8,
                                     gpus_per_node=8, pvc_name="train-data", mount_path="/mnt/shared"),
+    "gpu-4-nodes-elastic": TrainJobSpec(name=NAME, image="trainer:1", args=ARGS, nodes=4, min_nodes=2,
+                                        nproc_per_node=8, gpus_per_node=8, pvc_name="train-data"),
     "scheduling-secrets-labels": TrainJobSpec(
         name=NAME, namespace="team-a", image="registry.local/trainer:2", args=ARGS, nodes=2, nproc_per_node=4,
         gpus_per_node=4, cpu_request="16", cpu_limit="32", memory_request="200Gi", memory_limit="400Gi",
@@ -89,7 +91,11 @@ def test_manifest_fields(case: str) -> None:
     assert (manifest["apiVersion"], manifest["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     assert manifest["metadata"]["name"] == spec.name and manifest["metadata"]["namespace"] == spec.namespace
     body = manifest["spec"]
-    assert body["nprocPerNode"] == str(spec.nproc_per_node) and "elasticPolicy" not in body
+    assert body["nprocPerNode"] == str(spec.nproc_per_node)
+    # elastic: the operator's rendezvous env names the Master (rdzvHost), never nProcPerNode in the policy (webhook)
+    assert body.get("elasticPolicy") == ({"rdzvBackend": "c10d", "minReplicas": spec.min_nodes,
+                                          "maxReplicas": spec.nodes, "rdzvHost": f"{NAME}-master-0",
+                                          "rdzvPort": 23456} if spec.elastic else None)
     assert body["runPolicy"] == {"activeDeadlineSeconds": spec.active_deadline_seconds,
                                  "backoffLimit": spec.backoff_limit, "cleanPodPolicy": "Running",
                                  "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished}
@@ -111,6 +117,8 @@ def test_manifest_fields(case: str) -> None:
         # the rendezvous address: the pod's name, the same in a replacement pod (tests/deploy/test_node_replacement.py)
         assert {"name": "FT_LOCAL_ADDR", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
         assert env["FT_MAX_RESTARTS"] == str(spec.ft_max_restarts)
+        assert (env.get("TRAINER_NODES"), env.get("TRAINER_MIN_NODES")) == (
+            (str(spec.nodes), str(spec.min_nodes)) if spec.elastic else (None, None))
         assert {k: env[k] for k in spec.env} == dict(spec.env)
         assert container.get("envFrom", []) == [{"secretRef": {"name": s}} for s in spec.secret_env_from]
         limits = container["resources"].get("limits", {})
@@ -164,14 +172,27 @@ def _no_image(m: dict[str, Any]) -> None:
     m["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"] = ""
 
 
+def _elastic_without_worker(m: dict[str, Any]) -> None:
+    m["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 1}
+    del m["spec"]["pytorchReplicaSpecs"]["Worker"]
+
+
+def _elastic_min_above_max(m: dict[str, Any]) -> None:
+    m["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": 4, "maxReplicas": 2}
+
+
 @pytest.mark.parametrize(("mutate", "expected"), [
-    (_wrong_container_name, "spec.pytorchReplicaSpecs[Worker].template.spec.containers: Required value: a container named 'pytorch'"),
+    (_wrong_container_name, "spec.pytorchReplicaSpecs[Worker].template.spec.containers: Required value: a container "
+                            "named 'pytorch'"),
     (_two_masters, "spec.pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1; got 2"),
     (_nproc_twice, "spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode"),
     (_chief_replica, "spec.pytorchReplicaSpecs[Chief]: Unsupported value 'Chief'"),
     (_no_master, "spec.pytorchReplicaSpecs[Master]: Required value"),
     (_bad_name, "metadata.name: Invalid value '1-Train_Job'"),
     (_no_image, "spec.pytorchReplicaSpecs[Master].template.spec.containers[0].image: Required value"),
+    (_elastic_without_worker, "spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy "
+                              "is used"),
+    (_elastic_min_above_max, "spec.elasticPolicy.minReplicas: Invalid value 4: must not exceed maxReplicas (2)"),
 ])
 def test_webhook_errors_report_rule_breaks(mutate: Any, expected: str) -> None:
     manifest = _base()
@@ -193,10 +214,14 @@ def test_schema_check_catches_wrong_types_and_unknown_fields(validator: jsonsche
     ({"nodes": 0}, "nodes must be an integer >= 1; got 0"),
     ({"name": "Train_Job"}, "name must be a DNS-1035 label"),
     ({"name": "a" * (MAX_JOB_NAME_LEN + 1)}, "use job_name(run_id, step)"),
-    ({"gpus_per_node": 8, "nproc_per_node": 4}, "nproc_per_node must equal gpus_per_node (one rank per GPU); got 4 and 8"),
+    ({"gpus_per_node": 8, "nproc_per_node": 4},
+     "nproc_per_node must equal gpus_per_node (one rank per GPU); got 4 and 8"),
     ({"env": {"FT_MAX_RESTARTS": "9"}}, "use ft_max_restarts for FT_MAX_RESTARTS"),
     ({"env": {"PET_NNODES": "2"}}, "env 'PET_NNODES' is set by the operator"),
     ({"env": {"FT_LOCAL_ADDR": "10.0.0.1"}}, "env 'FT_LOCAL_ADDR' is set by the operator or this module"),
+    ({"env": {"TRAINER_MIN_NODES": "1"}}, "env 'TRAINER_MIN_NODES' is set by the operator or this module"),
+    ({"nodes": 2, "min_nodes": 3}, "min_nodes must be an integer from 0 to nodes (2)"),
+    ({"min_nodes": -1}, "min_nodes must be an integer from 0 to nodes (1)"),
     ({"memory_request": "16GB"}, "memory_request must be a Kubernetes quantity"),
     ({"tolerations": [{"key": "a", "tolerations_seconds": 3}]}, "got unknown ['tolerations_seconds']"),
     ({"args": "--config x.toml"}, "args must be a list of CLI arguments"),
@@ -271,3 +296,14 @@ def test_every_pod_leaves_a_lost_node_within_a_minute_unless_the_spec_says_other
             noexecute = {t["key"]: t["tolerationSeconds"] for t in replica["template"]["spec"]["tolerations"]
                          if t.get("effect") == "NoExecute"}
             assert noexecute == expected
+
+
+@pytest.mark.parametrize(("nodes", "min_nodes", "elastic"), [(4, 2, True), (2, 1, True), (4, 0, False), (4, 4, False),
+                                                            (1, 1, False), (1, 0, False)])
+def test_elastic_only_when_min_nodes_is_between_zero_and_nodes(nodes: int, min_nodes: int, elastic: bool) -> None:
+    spec = TrainJobSpec(name=NAME, image="trainer:1", nodes=nodes, min_nodes=min_nodes)
+    assert spec.elastic is elastic
+    body = to_manifest(build_pytorchjob(spec))["spec"]
+    assert ("elasticPolicy" in body) is elastic
+    # replica counts do not change with min_nodes: one Master, nodes-1 Workers
+    assert sum(r["replicas"] for r in body["pytorchReplicaSpecs"].values()) == nodes

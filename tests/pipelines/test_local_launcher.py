@@ -166,7 +166,8 @@ def node_entrypoint(tmp_path, plan):
         node = int(os.environ["PET_NODE_RANK"])
         log = Path({str(tmp_path / 'starts.jsonl')!r})
         n = sum(json.loads(line)["node"] == node for line in log.read_text().splitlines()) if log.exists() else 0
-        keys = ("PET_NNODES", "PET_NODE_RANK", "FT_LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT", "TRAINER_NODES")
+        keys = ("PET_NNODES", "PET_NODE_RANK", "FT_LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT", "TRAINER_NODES",
+                "TRAINER_MIN_NODES")
         with log.open("a") as f:
             f.write(json.dumps({{"node": node, "n": n, "argv": sys.argv[1:],
                                  "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
@@ -228,6 +229,22 @@ def test_spare_nodes_wait_in_the_rendezvous_and_the_last_one_used_is_said(tmp_pa
     assert {(s["env"]["PET_NNODES"], s["env"]["TRAINER_NODES"]) for s in firsts} == {("3", "2")}
     assert "node 1 exited 137 (KILLED): a spare node takes its place (that was the last spare node" in out.getvalue()
     assert result.launches[0].node_restarts == 1, "the lost node's replacement waits as a spare"
+
+
+def test_min_nodes_gives_each_node_the_elastic_range(tmp_path):
+    """min_nodes < nodes: each entrypoint gets TRAINER_NODES (the range's max) and TRAINER_MIN_NODES; a node lost
+    while the others run is started again (the job grows back when it joins); min_nodes out of range is refused."""
+    entry = node_entrypoint(tmp_path, [[("wait", "done")], [("exit", 137), ("wait", "done")]])
+    with_done = threading.Timer(3.0, lambda: (tmp_path / "done").touch())
+    with_done.start()
+    result = LocalLauncher(io.StringIO()).run(spec(tmp_path, entry, nodes=2, min_nodes=1, nproc_per_node=1,
+                                                   max_cluster_restarts=1))
+    with_done.cancel()
+    envs = {(s["env"]["PET_NNODES"], s["env"]["TRAINER_NODES"], s["env"]["TRAINER_MIN_NODES"])
+            for s in starts(tmp_path)}
+    assert envs == {("2", "2", "1")} and result.launches[0].node_restarts == 1
+    with pytest.raises(ValueError, match=r"min_nodes must be from 0 \(not elastic\) to nodes \(2\); got 3"):
+        spec(tmp_path, entry, nodes=2, min_nodes=3)
 
 
 def test_a_node_lost_with_no_restart_left_stops_the_job(tmp_path):

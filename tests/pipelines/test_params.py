@@ -83,6 +83,27 @@ def test_bad_parameter_names_the_fix(kw, expected):
     assert expected in errors(**kw)
 
 
+def test_min_nodes_must_keep_the_global_batch_at_every_size():
+    """Elastic: each size from min_nodes to nodes splits the global batch into whole micro-batches, or the run is
+    refused before it starts, saying which min_nodes or global batch would (the trainer checks again at start)."""
+    def elastic(**kw) -> str:
+        return "\n".join(x for x in PipelineParams(**kw).errors() if "nodes" in x or "global_batch" in x)
+
+    assert not elastic(nodes=2, min_nodes=1) and not elastic(nodes=4, min_nodes=4) and not elastic(nodes=4, min_nodes=0)
+    assert not elastic(nodes=4, min_nodes=3, batch_size=2, trainer_overrides=["--train.global_batch=48"])
+    assert ("min_nodes=2 cannot keep the global batch of 4 nodes on 3 nodes (it does not split into whole "
+            "micro-batches there): set min_nodes=4, or a global batch every size from 2 to 4 nodes divides: "
+            "'--train.global_batch=<a multiple of 48>' in trainer_overrides") in \
+        errors(nodes=4, min_nodes=2, batch_size=2)
+    assert "'--train.global_batch=<a multiple of batch_size x 24>'" in errors(nodes=4, min_nodes=3)  # the flavour's
+    assert ("--train.global_batch=16 cannot be kept on 3 nodes of 2 rank(s) (min_nodes=2 to nodes=4): set "
+            "min_nodes=4, or") in errors(nodes=4, min_nodes=2, batch_size=2,
+                                         trainer_overrides=["--train.global_batch=16"])
+    assert "min_nodes must be 0..2 (0 = not elastic); got 3" in errors(nodes=2, min_nodes=3)
+    assert "must be a whole number of sequences" in errors(nodes=2, min_nodes=1,
+                                                          trainer_overrides=["--train.global_batch=lots"])
+
+
 def test_all_errors_are_reported_together():
     with pytest.raises(ParamError) as info:
         PipelineParams(steps=0, nodes=0, backend="nope").validate()

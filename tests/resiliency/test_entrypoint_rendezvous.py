@@ -77,6 +77,29 @@ def test_the_node_wait_is_the_rendezvous_last_call(tmp_path):
     assert bad.returncode == 2 and "TRAINER_NODE_WAIT_S must be a non-negative integer; got 'soon'" in bad.stderr
 
 
+def test_the_node_range_comes_from_the_operator_or_trainer_nodes_and_reaches_the_workers(tmp_path):
+    """The launcher's --nnodes: PET_NNODES=MIN:MAX (a PyTorchJob's elasticPolicy), or TRAINER_NODES (spare pods beyond
+    it) with TRAINER_MIN_NODES; the workers see the range as TRAINER_NODE_RANGE. A range that cannot be: exit 2."""
+    plan = f"open({str(tmp_path / 'range')!r}, 'a').write(os.environ['TRAINER_NODE_RANGE'] + '\\n'); sys.exit(0)"
+    cases = [({"PET_NNODES": "2"}, "2", "2:2"), ({"PET_NNODES": "1:2"}, "1:2", "1:2"),
+             ({"PET_NNODES": "3", "TRAINER_NODES": "2"}, "2", "2:2"),
+             ({"PET_NNODES": "4", "TRAINER_NODES": "3", "TRAINER_MIN_NODES": "1"}, "1:3", "1:3"),
+             ({"PET_NNODES": "2:4", "TRAINER_NODES": "4", "TRAINER_MIN_NODES": "2"}, "2:4", "2:4")]
+    for env, nnodes, seen in cases:
+        (tmp_path / "starts.jsonl").unlink(missing_ok=True)
+        result, starts = run(tmp_path, plan, **env)
+        assert result.returncode == 0, (env, result.stderr)
+        assert starts[0][starts[0].index("--nnodes") + 1] == nnodes, (env, starts[0])
+        assert (tmp_path / "range").read_text().splitlines()[-1] == seen, env
+    for env, says in (({"PET_NNODES": "3:2"}, "TRAINER_MIN_NODES (or PET_NNODES's MIN) must be a number of nodes "
+                       "from 1 to 2"), ({"PET_NNODES": "2", "TRAINER_MIN_NODES": "0"}, "got '0'"),
+                      ({"PET_NNODES": "2", "TRAINER_NODES": "3"}, "TRAINER_NODES must be a number of nodes from 1 to "
+                       "PET_NNODES (2); got '3'"), ({"PET_NNODES": "0"}, "PET_NNODES must be N or MIN:MAX")):
+        (tmp_path / "starts.jsonl").write_text("")
+        bad, starts = run(tmp_path, plan, **env)
+        assert bad.returncode == 2 and says in bad.stderr and not starts, (env, bad.stderr)
+
+
 def test_another_nodes_permanent_exit_ends_this_node_with_its_code(tmp_path):
     plan = """
         exit_dir = Path(os.environ["TRAINER_EXIT_CODE_DIR"])

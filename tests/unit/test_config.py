@@ -91,3 +91,28 @@ def test_accumulation_follows_the_world_size_and_refuses_what_it_cannot_keep():
     with pytest.raises(ConfigError, match="single_rank=direct cannot accumulate"):
         accumulation(TrainConfig(batch_size=2, global_batch=8, single_rank="direct"), 1)
     assert accumulation(TrainConfig(batch_size=2, global_batch=8, single_rank="direct"), 4) == 1
+
+
+def test_a_node_range_keeps_one_global_batch_or_says_which_would():
+    """``TRAINER_NODE_RANGE=MIN:MAX`` (elastic): an unset global batch becomes the full size's; one that some size of
+    the range cannot split is refused naming a global batch every size can and the fewest nodes that keep it."""
+    from trainer.config import TrainConfig, keep_global_batch
+
+    cfg = TrainConfig(batch_size=2)
+    note = keep_global_batch(cfg, "1:2", 2)
+    assert note == "train.global_batch=8 (the batch of 2 nodes), kept on any of 1 to 2 nodes"
+    assert cfg.global_batch == 8
+    assert keep_global_batch(TrainConfig(batch_size=2), "2:2", 4) is None  # one size: nothing to keep
+    kept = TrainConfig(batch_size=2, global_batch=48)
+    assert keep_global_batch(kept, "2:4", 2) is None and kept.global_batch == 48  # 48 = 4 x 12: every size splits it
+    with pytest.raises(ConfigError, match=r"train.global_batch=16 cannot be kept on 3 node\(s\) of the job's range 2:4 "
+                                          r"\(2 rank\(s\) a node x train.batch_size=2\): set a global batch every size "
+                                          r"divides, a multiple of 48 \(e.g. 48\), or at least 4 as the fewest nodes"):
+        keep_global_batch(TrainConfig(batch_size=2), "2:4", 2)
+    with pytest.raises(ConfigError, match=r"global_batch=9 cannot be kept on 4 node\(s\).* of 12 \(e.g. 12\)$"):
+        keep_global_batch(TrainConfig(batch_size=1, global_batch=9), "3:4", 1)
+    with pytest.raises(ConfigError, match="single_rank=direct cannot accumulate"):  # one rank at the range's low end
+        keep_global_batch(TrainConfig(batch_size=2, single_rank="direct"), "1:2", 1)
+    for bad in ("2", "x:3", "3:2", "0:2"):
+        with pytest.raises(ConfigError, match="TRAINER_NODE_RANGE must be MIN:MAX"):
+            keep_global_batch(TrainConfig(), bad if bad != "2" else "2:1", 1)

@@ -338,10 +338,17 @@ def test_every_world_size_consumes_the_same_samples_each_step_with_a_fixed_globa
     loaders = [TokenLoader(synthetic, seq_len=4, batch_size=2, rank=r, world_size=world_size, seed=4,
                            accumulation=accumulation) for r in range(world_size)]
     reference = TokenLoader(synthetic, seq_len=4, batch_size=8, rank=0, world_size=1, seed=4)
+    for loader in [*loaders, reference]:  # data.sample_log's record: the sample numbers each rank served
+        loader.served = []
     for _ in range(5):  # 2 global batches of 8 per 17-sample epoch: crosses two epochs
         step = [t for loader in loaders for _ in range(accumulation) for t in _first_tokens(loader.next_batch()[0])]
         assert sorted(step) == sorted(_first_tokens(reference.next_batch()[0]))
         assert all(loader.state_dict() == reference.state_dict() for loader in loaders)
+        served = [loader.take_served() for loader in loaders]
+        expected = reference.take_served()
+        assert sorted(i for s in served for i in s["samples"]) == sorted(expected["samples"])
+        assert len(expected["samples"]) == 8 and {s["epoch"] for s in served} == {expected["epoch"]}
+    assert TokenLoader(synthetic, seq_len=4, batch_size=2, rank=0, world_size=1, seed=4).served is None  # not asked
 
 
 def test_a_resume_on_fewer_ranks_accumulates_to_the_same_global_batch(synthetic: ShardedTokens) -> None:

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -119,6 +120,10 @@ class DataConfig:
     verify_checksums: bool = True
     """Verify every shard's sha256 before training (reads the whole dataset once per job: later starts skip the
     files verified before and unchanged since, recorded in ``<train.run_dir>/data-verified.json``)."""
+    sample_log: bool = False
+    """Each rank appends the samples it trained in each step to ``<train.run_dir>/samples/rank-<r>.jsonl``
+    (``{"step", "epoch", "samples"}``: indices into the epoch's order): an audit of which samples each step consumed,
+    across restarts and world sizes (SHARDS.md)."""
 
     def validate(self) -> None:
         if not self.path:
@@ -180,6 +185,42 @@ def accumulation(cfg: "TrainConfig", world_size: int) -> int:
         raise ConfigError("train.single_rank=direct cannot accumulate gradients (it finishes them at every "
                           "backward's end): set train.single_rank=auto or a train.global_batch of batch_size")
     return cfg.global_batch // per_pass
+
+
+def keep_global_batch(cfg: "TrainConfig", node_range: str, ranks_per_node: int) -> str | None:
+    """The global batch every size of the job's node range ``MIN:MAX`` keeps (``TRAINER_NODE_RANGE``, from
+    entrypoint.sh: a job that goes on with fewer nodes when one is lost). An unset ``train.global_batch`` becomes the
+    full size's (batch_size x ranks per node x MAX); a size of the range that cannot split it into whole micro-batches
+    is a ConfigError naming a global batch every size can and the fewest nodes that keep this one. Returns the line to
+    log when it set the global batch; None for a range of one size."""
+    low, _, high = node_range.partition(":")
+    try:
+        low_n, high_n = int(low), int(high or low)
+    except ValueError:
+        raise ConfigError(f"TRAINER_NODE_RANGE must be MIN:MAX nodes (entrypoint.sh sets it); got {node_range!r}")
+    if not 1 <= low_n <= high_n:
+        raise ConfigError(f"TRAINER_NODE_RANGE must be MIN:MAX nodes with 1 <= MIN <= MAX; got {node_range!r}")
+    if low_n == high_n:
+        return None
+    note = None
+    per_node = cfg.batch_size * ranks_per_node
+    if not cfg.global_batch:
+        cfg.global_batch = per_node * high_n
+        note = (f"train.global_batch={cfg.global_batch} (the batch of {high_n} nodes), kept on any of {low_n} to "
+                f"{high_n} nodes")
+    sizes = range(low_n, high_n + 1)
+    lost = [k for k in sizes if cfg.global_batch % (per_node * k)]
+    if lost:
+        unit = per_node * math.lcm(*sizes)
+        fewest = lost[-1] + 1 if lost[-1] < high_n else None  # every size above the largest lost one keeps it
+        keeps = f", or at least {fewest} as the fewest nodes (min_nodes)" if fewest else ""
+        raise ConfigError(
+            f"train.global_batch={cfg.global_batch} cannot be kept on {lost[0]} node(s) of the job's range "
+            f"{low_n}:{high_n} ({ranks_per_node} rank(s) a node x train.batch_size={cfg.batch_size}): set a global "
+            f"batch every size divides, a multiple of {unit} (e.g. {-(-cfg.global_batch // unit) * unit}){keeps}")
+    for k in sizes:
+        accumulation(cfg, k * ranks_per_node)  # a size whose accumulation this config refuses (single_rank=direct)
+    return note
 
 
 @dataclass

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -347,6 +348,9 @@ class TokenLoader:
         self.position = 0
         self._micro = 0  # micro-batches of the current step already served
         self._perm = self._permutation(0)
+        self.served: list[int] | None = None
+        """Sample indices this rank served since the last `take_served`; None: not recorded (``data.sample_log``
+        sets a list)."""
 
     def _permutation(self, epoch: int) -> np.ndarray:
         """The sample order of one epoch."""
@@ -361,11 +365,18 @@ class TokenLoader:
             self._perm = self._permutation(self.epoch)
         start = self.position + (self._micro * self.world_size + self.rank) * self.batch_size
         indices = self._perm[start : start + self.batch_size]
+        if self.served is not None:
+            self.served.extend(indices.tolist())
         self._micro += 1
         if self._micro == self.accumulation:
             self._micro = 0
             self.position += self.global_batch_size
         return _to_tensors(self.tokens.samples(indices, self.seq_len))
+
+    def take_served(self) -> dict[str, Any]:
+        """The samples served since the last call (``{"epoch", "samples"}``: sample indices); clears them."""
+        served, self.served = self.served or [], []
+        return {"epoch": self.epoch, "samples": served}
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self

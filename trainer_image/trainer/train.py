@@ -24,7 +24,7 @@ from torch import nn
 
 from trainer import parallel, resiliency, startup, warmstart
 from trainer.checkpoint import CheckpointManager, committed_steps, premap
-from trainer.config import ConfigError, JobConfig, OptimConfig, accumulation
+from trainer.config import ConfigError, JobConfig, OptimConfig, accumulation, keep_global_batch
 from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
@@ -61,6 +61,10 @@ class Resources:
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
         env = env or parallel.DistEnv.from_environ()
+        node_range = os.environ.get("TRAINER_NODE_RANGE")  # entrypoint.sh: the sizes the job may shrink and grow to
+        note = keep_global_batch(cfg.train, node_range, env.local_world_size) if node_range else None
+        if note and env.rank == 0:
+            log.info("%s", note)
         accumulation(cfg.train, env.world_size)  # a global batch this world size cannot take: one line, exit 2
         device = parallel.select_device(cfg.train, env)
         cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
@@ -313,6 +317,10 @@ def _steps(
     flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = peak_bf16_flops(device)
     first_step = progress.step + 1
+    samples = Path(cfg.train.run_dir) / "samples" / f"rank-{env.rank}.jsonl" if cfg.data.sample_log else None
+    if samples:
+        samples.parent.mkdir(parents=True, exist_ok=True)
+        loader.served = []
     if progress.step == 0:
         res.metrics.log(
             {"event": "start", "world_size": env.world_size, "device": str(device),
@@ -354,6 +362,9 @@ def _steps(
             optimizer.zero_grad(set_to_none=True)
         res.warm = True
         progress.step = step
+        if samples:  # data.sample_log: which samples this rank trained in this step
+            with samples.open("a") as f:
+                f.write(json.dumps({"step": step, **loader.take_served()}) + "\n")
         steps_since_log += 1
         last_step = step == cfg.train.steps
         saved = False
