@@ -174,7 +174,7 @@ class Shards:
         meta = self._meta(key, piece)
         out = []
         for src in meta["pieces"] if meta["sharded"] else meta["pieces"][:1]:
-            if _overlap(piece.offset, piece.shape, tuple(src["offset"]), tuple(src["shape"])):
+            if overlaps(piece.offset, piece.shape, tuple(src["offset"]), tuple(src["shape"])):
                 out.append(src["rank"])
         return out
 
@@ -199,14 +199,15 @@ class Shards:
             if region in seen:  # a replicated copy (e.g. HSDP) of a region already read
                 continue
             seen.add(region)
-            if not _overlap(piece.offset, piece.shape, *region):
+            if not overlaps(piece.offset, piece.shape, *region):
                 continue
             covered += copy_overlap(dst, piece.offset, self.file(src["rank"])["tensors"][key], *region)
         if covered != dst.numel():
             raise CheckpointError(f"{self.dir}: {key} covers {covered} of {dst.numel()} elements of this rank's shard")
 
 
-def _overlap(a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+def overlaps(a_off: tuple[int, ...], a_shape: tuple[int, ...], b_off: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+    """Whether two boxes of the same global tensor intersect (a 0-dim tensor: always)."""
     return all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(a_off, a_shape, b_off, b_shape)) or not a_shape
 
 

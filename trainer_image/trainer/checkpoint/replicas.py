@@ -25,6 +25,7 @@ check it like any snapshot found on the node (a bad one is refused, and the next
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import mmap
@@ -40,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.checkpoint import reshard
 from trainer.checkpoint.slots import SNAPSHOT_FORMAT, Slot, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,8 @@ class ReplicaServer:
                     self._put(conn, int(head["rank"]), int(head["slot"]), int(head["step"]), int(head["nbytes"]), blob)
                 elif head.get("op") == "get":
                     self._get(conn, int(head["rank"]), int(head["step"]))
+                elif head.get("op") == "get_cut":
+                    self._get_cut(conn, int(head["rank"]), int(head["step"]), int(head["world"]), bool(head["data"]))
             except Exception as exc:  # noqa: BLE001 - one failed transfer; the source logs it, the next one may pass
                 log.warning("peer tier: a transfer with %s failed: %s", _peer(conn), exc)
 
@@ -214,11 +218,23 @@ class ReplicaServer:
             _send(conn, {"ok": True, "nbytes": nbytes}, meta_path.read_bytes())
             _send_file(conn, data_path, nbytes)
 
+    def _get_cut(self, conn: socket.socket, rank: int, step: int, world: int, data: bool) -> None:
+        """A snapshot of another world size on this node (``reshard``): its header, and its file when ``data``."""
+        source = reshard.held_steps(self.store).get(step, (0, {}))[1].get(rank)
+        if source is None or reshard.held_steps(self.store)[step][0] != world:
+            _send(conn, {"ok": False, "why": f"no snapshot of rank {rank}'s step {step} of {world} ranks here"})
+            return
+        meta_path = source.data.with_name(source.data.name.removesuffix(".data") + ".meta")
+        nbytes = source.data.stat().st_size if data else 0
+        _send(conn, {"ok": True, "nbytes": nbytes}, meta_path.read_bytes())
+        if data:
+            _send_file(conn, source.data, nbytes)
+
     def close(self, remove: bool) -> None:
         self._closed = True
         self.listener.close()
         if remove:
-            for path in self.store.dir.glob("peer-rank-*"):
+            for path in [*self.store.dir.glob("peer-rank-*"), *self.store.dir.glob(f"{reshard.FETCHED}rank-*")]:
                 path.unlink(missing_ok=True)
 
 
@@ -328,6 +344,27 @@ class Replicator:
         if step not in store.discover(pieces_fn, only=slot):
             return f"the replica from rank {holder} was refused (see the warning above)", nbytes
         return "", nbytes
+
+    def fetch_cut(self, holder: int, rank: int, step: int, world: int, data: bool) -> tuple[str, dict[str, Any], int]:
+        """Old rank ``rank``'s snapshot of ``step`` (of ``world`` ranks) from ``holder``'s node (``reshard``): its
+        header, and with ``data`` its file, fetched into this node's directory as ``reshard.FETCHED``. Returns ('' or
+        why not, the header, bytes)."""
+        stem = self.store.dir / f"{reshard.FETCHED}rank-{rank:05d}.slot-0"
+        try:
+            with socket.create_connection(self.addresses[holder], timeout=_TIMEOUT_S) as sock:
+                _send(sock, {"op": "get_cut", "job": self.store.job, "rank": rank, "step": step, "world": world,
+                             "data": data})
+                head, header = _receive(sock)
+                if not head.get("ok"):
+                    return f"rank {holder}'s node has no snapshot of it ({head.get('why')})", {}, 0
+                meta = torch.load(io.BytesIO(header), map_location="cpu", weights_only=True)
+                if data:
+                    self.store.dir.mkdir(parents=True, exist_ok=True)
+                    _receive_file(sock, stem.with_name(stem.name + ".data"), int(head["nbytes"]))
+                    stem.with_name(stem.name + ".meta").write_bytes(header)
+        except (OSError, ValueError, RuntimeError) as exc:
+            return f"fetching rank {rank}'s snapshot of step {step} from rank {holder} failed ({exc})", {}, 0
+        return "", meta, int(head["nbytes"])
 
     def close(self, remove: bool) -> None:
         self.server.close(remove)

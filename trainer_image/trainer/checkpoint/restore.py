@@ -7,7 +7,9 @@ reads it from the nearest tier that holds it: its own slots, else a replica on a
 after a node is lost and its ranks come back on a replacement pod or a spare, those ranks fetch their replicas from
 the nodes holding them, the other ranks restore from their node-local snapshots, and no checkpoint file is read
 (unless the disk holds a newer step than the replicas: a fault while the newest snapshot was being pushed); when a node and every holder of its replicas are lost, its ranks read the persistent
-tier (one line each says so). A snapshot or replica that fails its check is dropped by its rank, and that rank
+tier (one line each says so). After a change of world size (``min_nodes``), the snapshots of the old size are cut
+into the new ranks' shards where some node holds all of them (``reshard``), before the disk is read for that step or an
+older one. A snapshot or replica that fails its check is dropped by its rank, and that rank
 tries the next tier for the same step (a replica, then the disk); a checkpoint on disk that fails its check is moved
 aside (``step-X.corrupt-<reason>``), and the next candidate is tried. A step every rank gives up for another leaves
 the other ranks' copies of it in the training state: the next step restored overwrites them, and when no step is
@@ -25,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.checkpoint import reshard
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.layout import committed_steps, step_dir_name
 from trainer.checkpoint.state import apply, flatten, local_piece, local_tensors
@@ -85,7 +88,23 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
     found = Candidates([set(h) for h, _ in reports],
                        coord.broadcast(committed_steps(mgr.dir) if mgr.rank == 0 else None) or [], peer)
     replicated = bool(peer[mgr.rank])  # before any replica is refused
-    while (step := found.newest()) is not None:
+    # FT: a job that changed size: the steps of the old world size some node holds every old rank's snapshot of
+    cut, local = reshard.candidates(mgr)  # collective on every rank, whatever its own process holds
+    while (step := found.newest()) is not None or cut:
+        if cut and (step is None or max(cut)[0] >= step):  # memory before the disk for the same step
+            (newest, world), holder = max(cut.items())
+            problem, sources = reshard.gather(mgr, state, newest, world, holder, local)
+            problem = problem or reshard.restore(mgr, state, newest, world, sources)
+            if not any(coord.all_gather(problem)):
+                mgr.restored_from = NODE_LOCAL if newest in local else PEER
+                _summarise(mgr, newest, coord.all_gather(mgr.restored_from))
+                return newest
+            mgr.restore_overwrote = True  # every rank gives the step up; a later one overwrites what was copied
+            del cut[(newest, world)]
+            if problem:
+                log.warning("step %d of %d ranks cannot be cut out of the nodes' memory (%s); trying the next tier",
+                            newest, world, problem)
+            continue
         sources = found.sources(step)
         mine = sources[mgr.rank]
         if mine == OWN:

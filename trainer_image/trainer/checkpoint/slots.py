@@ -37,6 +37,7 @@ from trainer.checkpoint import chunked, premap
 from trainer.checkpoint.chunked import by_device, checksum, device_checksum, memory_backed, warn_unpinned
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import Piece
+from trainer.checkpoint.reshard import piece_record
 
 log = logging.getLogger(__name__)
 
@@ -394,6 +395,7 @@ class SnapshotStore:
                 "nbytes": slot.buffer.numel(),
                 "checksum": slot.checksum if slot.checksum is not None else checksum(slot.buffer),
                 "layout": {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()},
+                "pieces": {k: piece_record(p) for k, p in slot.pieces.items()},  # a reshard reads them (reshard.py)
                 "payload": slot.payload,
             }
             partial = slot.meta_path.with_name(slot.meta_path.name + ".partial")

@@ -1,0 +1,173 @@
+"""A snapshot of another world size, restored from this node's memory: the one concern of this module.
+
+When a job goes on with fewer nodes (``min_nodes``: a node lost and none took its place), the survivors' node-local
+directories still hold the snapshots their ranks published under the old world size, and the peer tier's replicas of
+the lost node's ranks (``replicas``). Where every old rank's snapshot of a step is on this node, each new rank cuts
+its own shard of every tensor out of them (the region its piece covers, from each old piece that overlaps it: the
+same arithmetic as a checkpoint on disk read on another world size) instead of reading the persistent tier. Every
+file read is checked against its header's checksum first; a step some rank cannot restore this way is left to the
+other tiers. A job that grows back reads the disk: the new node's memory is empty (not fetched from the others).
+
+Headers carry each tensor's piece (global shape, offset, local shape) from when they are published; a header
+without them (an older trainer) is not used here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.chunked import checksum
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.layout import Piece, copy_overlap, overlaps
+from trainer.checkpoint.state import apply, flatten, local_piece
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"(peer-|cut-)?rank-(\d{5})\.slot-(\d+)\.meta$")
+FETCHED = "cut-"
+"""The name prefix of an old rank's snapshot fetched from another node for a reshard (removed with the job)."""
+
+
+def piece_record(piece: Piece) -> list[Any]:
+    """A piece as a snapshot header stores it (lists and bools: a weights-only load reads it)."""
+    return [list(piece.global_shape), list(piece.offset), list(piece.shape), piece.sharded]
+
+
+@dataclass
+class Source:
+    """One old rank's snapshot of a step, on this node (its own slot file, or a replica held here)."""
+
+    rank: int
+    data: Path
+    meta: dict[str, Any]
+
+
+def held_steps(store: Any) -> dict[int, tuple[int, dict[int, Source]]]:
+    """Step -> (old world size, {old rank: its snapshot}) for each step of another world size whose every rank's
+    snapshot is in this node's directory (this job and configuration, file sizes as their headers say)."""
+    found: dict[tuple[int, int], dict[int, Source]] = {}
+    for meta_path in sorted(store.dir.glob("*rank-*.slot-*.meta")) if store.node_local and store.dir.is_dir() else []:
+        match = _NAME.match(meta_path.name)
+        try:
+            meta = torch.load(meta_path, map_location="cpu", weights_only=True) if match else None
+        except Exception:  # noqa: BLE001 - a half-written or foreign header: not a source
+            continue
+        if not isinstance(meta, dict) or "pieces" not in meta or meta.get("world_size") == store.world_size:
+            continue
+        if (meta.get("job"), meta.get("config_hash")) != (store.job, store.config_hash):
+            continue
+        data = meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
+        rank = int(match.group(2))  # type: ignore[union-attr]
+        if meta.get("rank") != rank or not data.is_file() or data.stat().st_size != meta.get("nbytes"):
+            continue
+        found.setdefault((int(meta["step"]), int(meta["world_size"])), {})[rank] = Source(rank, data, meta)
+    out: dict[int, tuple[int, dict[int, Source]]] = {}
+    for (step, world), sources in sorted(found.items()):
+        if set(sources) == set(range(world)):
+            out[step] = (world, sources)
+    return out
+
+
+def candidates(mgr: Any) -> tuple[dict[tuple[int, int], int], dict[int, tuple[int, dict[int, Source]]]]:
+    """(step, old world size) -> a rank whose node holds every old rank's snapshot of it, over the job (collective);
+    and this node's own such steps (`held_steps`)."""
+    local = held_steps(mgr.snapshots)
+    out: dict[tuple[int, int], int] = {}
+    for rank, pairs in enumerate(mgr.coord.all_gather(sorted((s, w) for s, (w, _) in local.items()))):
+        for pair in pairs:
+            out.setdefault((int(pair[0]), int(pair[1])), rank)
+    return out, local
+
+
+def gather(mgr: Any, state: dict[str, Any], step: int, world: int, holder: int,
+           local: dict[int, tuple[int, dict[int, Source]]]) -> tuple[str, dict[int, Source]]:
+    """This rank's sources of ``step`` (of ``world`` ranks): its node's own, else the old ranks' snapshots its shard
+    overlaps (and old rank 0's, for the non-tensor state), fetched from ``holder``'s node. ('' or why not, sources.)"""
+    if step in local and local[step][0] == world:
+        return "", local[step][1]
+    if mgr.replicas is None:
+        return "this node holds none of it and the peer tier is off (checkpoint.replicas=0)", {}
+    pieces = {key: local_piece(v)[1] for key, v in flatten(state)[0].items()}
+    sources: dict[int, Source] = {}
+    for rank in range(world):
+        problem, meta, _ = mgr.replicas.fetch_cut(holder, rank, step, world, data=False)
+        if problem:
+            return problem, {}
+        theirs = meta.get("pieces", {})
+        if rank and not any(p.sharded and p.shape and key in theirs and
+                            overlaps(p.offset, p.shape, tuple(theirs[key][1]), tuple(theirs[key][2]))
+                            for key, p in pieces.items()):
+            continue  # none of this rank's shard is in it
+        problem, meta, nbytes = mgr.replicas.fetch_cut(holder, rank, step, world, data=True)
+        if problem:
+            return problem, {}
+        mgr.bytes_read["peer"] = mgr.bytes_read.get("peer", 0) + nbytes
+        sources[rank] = Source(rank, mgr.snapshots.dir / f"{FETCHED}rank-{rank:05d}.slot-0.data", meta)
+    return "", sources
+
+
+def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dict[int, Source]) -> str:
+    """Fill this rank's shard of ``state`` with ``step`` cut out of the old ranks' snapshots ``sources``; '' when
+    every file verified and every tensor was covered, else why not. Counts the bytes read as the node-local tier's."""
+    from trainer.checkpoint.slots import map_file, map_views  # the slots module maps its own files the same way
+
+    live, _ = flatten(state)
+    wanted = {key: local_piece(value) for key, value in live.items()}
+    buffers: dict[int, torch.Tensor] = {}
+    try:
+        for key, (dst, piece) in wanted.items():
+            covered, seen = 0, set()
+            for rank in sorted(sources):
+                record = sources[rank].meta["pieces"].get(key)
+                if record is None or tuple(record[0]) != piece.global_shape:
+                    return f"rank {rank}'s snapshot of step {step} has no {key} of this shape: the model changed"
+                region = (tuple(record[1]), tuple(record[2]))
+                if region in seen or not overlaps(piece.offset, piece.shape, *region):
+                    continue  # a replicated tensor is read once
+                seen.add(region)
+                if rank not in buffers:
+                    problem = _map(sources[rank], buffers, map_file)
+                    if problem:
+                        return problem
+                views = map_views(buffers[rank], _layout(sources[rank].meta, key))
+                covered += copy_overlap(dst, piece.offset, views[key], *region)
+            if covered != dst.numel():
+                return f"the snapshots of step {step} cover {covered} of {dst.numel()} elements of {key}"
+        mgr.bytes_read["node-local"] = mgr.bytes_read.get("node-local", 0) + sum(b.numel() for b in buffers.values())
+        source = sources[mgr.rank if mgr.rank in sources else 0]
+        apply(state, live, source.meta["payload"], restore_ft=source.rank == mgr.rank)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        buffers.clear()  # the mappings go with their tensors
+        for fetched in (s for s in sources.values() if s.data.name.startswith(FETCHED)):  # node memory back at once
+            fetched.data.unlink(missing_ok=True)
+            fetched.data.with_name(fetched.data.name.removesuffix(".data") + ".meta").unlink(missing_ok=True)
+    log.info("restored step %d from the nodes' memory: cut out of the snapshots of %d ranks (%s), no file read from "
+             "the persistent tier", step, world, ", ".join(
+                 f"{_kind(s.data.name)} {r}" for r, s in sorted(sources.items())))
+    return ""
+
+
+def _kind(name: str) -> str:
+    return "replica" if name.startswith("peer-") else "fetched" if name.startswith(FETCHED) else "own"
+
+
+def _map(source: Source, buffers: dict[int, torch.Tensor], map_file: Any) -> str:
+    """Map an old rank's snapshot file and check it against its header's checksum; '' when it verified."""
+    buffer = map_file(source.data, int(source.meta["nbytes"]))
+    if checksum(buffer) != source.meta["checksum"]:
+        return f"checksum mismatch in {source.data} (flipped or stale bytes)"
+    buffers[source.rank] = buffer
+    return ""
+
+
+def _layout(meta: dict[str, Any], key: str) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    dtype, offset, shape = meta["layout"][key]
+    return {key: (dtype, offset, tuple(shape))}
