@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from statelib import assert_equal, make_state, manager, pg, snapshot, train_step  # noqa: F401 - pg
-from trainer.checkpoint import committed_steps, reshard
+from trainer.checkpoint import committed_steps
 from trainer.checkpoint.chunked import checksum
-from trainer.checkpoint.layout import Piece
+from trainer.checkpoint.layout import Piece, piece_record
 from trainer.checkpoint.slots import SNAPSHOT_FORMAT, SNAPSHOT_VERSION, map_views, plan_layout
 from trainer.checkpoint.state import local_tensors
 
@@ -48,7 +48,7 @@ def publish_as(mgr, state: dict, step: int, world: int, names: dict[int, str]) -
         torch.save({"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "job": mgr.snapshots.job, "rank": rank,
                     "world_size": world, "config_hash": mgr.snapshots.config_hash, "step": step, "nbytes": nbytes,
                     "checksum": checksum(buffer), "layout": {k: [d, o, list(s)] for k, (d, o, s) in layout.items()},
-                    "pieces": {k: reshard.piece_record(p) for k, p in mine.items()}, "payload": payload},
+                    "pieces": {k: piece_record(p) for k, p in mine.items()}, "payload": payload},
                    mgr.snapshots.dir / f"{stem}.meta")
 
 

@@ -39,9 +39,10 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def run_trainer(args: list[str], code: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_trainer(args: list[str], code: str | None = None, timeout: float = 120,
+                **env_extra: str) -> subprocess.CompletedProcess:
     """``python -m trainer <args>`` in one process (no launcher); ``code`` runs first instead (a patch)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", EXIT_CODE_DIR_ENV, ENTRYPOINT_PID_ENV):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "trainer", *args] if code is None else \
@@ -224,6 +225,17 @@ def test_config_error_found_after_parsing_is_one_line(tmp_path, tiny_dataset):
     lines = _error_lines(result.stderr)
     assert len(lines) == 1 and "config error: model.vocab_size (16) is smaller" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_a_node_range_that_cannot_keep_the_global_batch_is_refused_at_start(tmp_path, tiny_dataset):
+    """entrypoint.sh's TRAINER_NODE_RANGE (min_nodes): a size of the range that cannot split the global batch into
+    whole micro-batches is one line and exit 2 before anything is built, naming what would."""
+    result = run_trainer(["--config", "tiny", f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path / 'run'}",
+                          "--train.batch_size=2"], TRAINER_NODE_RANGE="3:4")
+    assert result.returncode == ExitCode.CONFIG_ERROR, result.stderr[-2000:]
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and "train.global_batch=8 cannot be kept on 3 node(s)" in lines[0]
+    assert "a multiple of 24 (e.g. 24), or at least 4 as the fewest nodes (min_nodes)" in lines[0]
 
 
 def test_run_dir_that_is_a_file_is_a_config_error_naming_the_key(tmp_path):

@@ -67,6 +67,11 @@ class Piece:
     sharded: bool
 
 
+def piece_record(piece: Piece) -> list[Any]:
+    """A piece as a snapshot header stores it (lists and bools: a weights-only load reads it; ``reshard``)."""
+    return [list(piece.global_shape), list(piece.offset), list(piece.shape), piece.sharded]
+
+
 # ---- verification ---------------------------------------------------------------------------------------------
 def read_manifest(step_dir: Path) -> tuple[dict[str, Any] | None, str, str]:
     """(manifest, reason slug, message); the manifest is None when missing or invalid."""

@@ -24,7 +24,8 @@ import torch
 
 from trainer.checkpoint.chunked import checksum
 from trainer.checkpoint.errors import CheckpointError
-from trainer.checkpoint.layout import Piece, copy_overlap, overlaps
+from trainer.checkpoint.layout import copy_overlap, overlaps
+from trainer.checkpoint.slots import map_file, map_views
 from trainer.checkpoint.state import apply, flatten, local_piece
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,6 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"(peer-|cut-)?rank-(\d{5})\.slot-(\d+)\.meta$")
 FETCHED = "cut-"
 """The name prefix of an old rank's snapshot fetched from another node for a reshard (removed with the job)."""
-
-
-def piece_record(piece: Piece) -> list[Any]:
-    """A piece as a snapshot header stores it (lists and bools: a weights-only load reads it)."""
-    return [list(piece.global_shape), list(piece.offset), list(piece.shape), piece.sharded]
 
 
 @dataclass
@@ -115,8 +111,6 @@ def gather(mgr: Any, state: dict[str, Any], step: int, world: int, holder: int,
 def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dict[int, Source]) -> str:
     """Fill this rank's shard of ``state`` with ``step`` cut out of the old ranks' snapshots ``sources``; '' when
     every file verified and every tensor was covered, else why not. Counts the bytes read as the node-local tier's."""
-    from trainer.checkpoint.slots import map_file, map_views  # the slots module maps its own files the same way
-
     live, _ = flatten(state)
     wanted = {key: local_piece(value) for key, value in live.items()}
     buffers: dict[int, torch.Tensor] = {}
@@ -132,7 +126,7 @@ def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dic
                     continue  # a replicated tensor is read once
                 seen.add(region)
                 if rank not in buffers:
-                    problem = _map(sources[rank], buffers, map_file)
+                    problem = _map(sources[rank], buffers)
                     if problem:
                         return problem
                 views = map_views(buffers[rank], _layout(sources[rank].meta, key))
@@ -159,7 +153,7 @@ def _kind(name: str) -> str:
     return "replica" if name.startswith("peer-") else "fetched" if name.startswith(FETCHED) else "own"
 
 
-def _map(source: Source, buffers: dict[int, torch.Tensor], map_file: Any) -> str:
+def _map(source: Source, buffers: dict[int, torch.Tensor]) -> str:
     """Map an old rank's snapshot file and check it against its header's checksum; '' when it verified."""
     buffer = map_file(source.data, int(source.meta["nbytes"]))
     if checksum(buffer) != source.meta["checksum"]:

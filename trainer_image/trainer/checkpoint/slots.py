@@ -36,8 +36,7 @@ import torch
 from trainer.checkpoint import chunked, premap
 from trainer.checkpoint.chunked import by_device, checksum, device_checksum, memory_backed, warn_unpinned
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
-from trainer.checkpoint.layout import Piece
-from trainer.checkpoint.reshard import piece_record
+from trainer.checkpoint.layout import Piece, piece_record
 
 log = logging.getLogger(__name__)
 
