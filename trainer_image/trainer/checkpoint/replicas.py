@@ -348,8 +348,8 @@ class Replicator:
     def fetch_cut(self, holder: int, rank: int, step: int, world: int, data: bool) -> tuple[str, dict[str, Any], int]:
         """Old rank ``rank``'s snapshot of ``step`` (of ``world`` ranks) from ``holder``'s node (``reshard``): its
         header, and with ``data`` its file, fetched into this node's directory as ``reshard.FETCHED``. Returns ('' or
-        why not, the header, bytes)."""
-        stem = self.store.dir / f"{reshard.FETCHED}rank-{rank:05d}.slot-0"
+        why not, the header, bytes). Its file is named for this rank too: the node's other ranks may fetch the same."""
+        stem = self.store.dir / f"{reshard.FETCHED}rank-{rank:05d}.slot-{self.store.rank}"
         try:
             with socket.create_connection(self.addresses[holder], timeout=_TIMEOUT_S) as sock:
                 _send(sock, {"op": "get_cut", "job": self.store.job, "rank": rank, "step": step, "world": world,

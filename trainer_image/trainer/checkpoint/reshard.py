@@ -104,7 +104,7 @@ def gather(mgr: Any, state: dict[str, Any], step: int, world: int, holder: int,
         if problem:
             return problem, {}
         mgr.bytes_read["peer"] = mgr.bytes_read.get("peer", 0) + nbytes
-        sources[rank] = Source(rank, mgr.snapshots.dir / f"{FETCHED}rank-{rank:05d}.slot-0.data", meta)
+        sources[rank] = Source(rank, mgr.snapshots.dir / f"{FETCHED}rank-{rank:05d}.slot-{mgr.rank}.data", meta)
     return "", sources
 
 
