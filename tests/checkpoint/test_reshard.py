@@ -68,6 +68,8 @@ def test_a_two_rank_snapshot_on_this_node_restores_one_rank_without_the_disk(tmp
         assert_equal(snapshot(restored), expected)
         assert restored["progress"].step == 3 and restored["dataloader"].position == 6
         assert mgr.bytes_read["node-local"] > 0
+        # the old world's replica goes once the restore is over; the node's own slot files are reused
+        assert not list(mgr.snapshots.dir.glob("peer-rank-*")) and list(mgr.snapshots.dir.glob("rank-00000.slot-0.*"))
     finally:
         mgr.close(job_over=True)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import hostmem, reaper, storage
+from trainer.checkpoint import hostmem, reaper, reshard, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
@@ -326,6 +326,8 @@ class CheckpointManager:
         unstepped = not state["optimizer"].state
         if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
             step = restore_newest(self, state, while_copying or (lambda: None))
+            if self.env.local_rank == 0 and reshard.drop_other_worlds(self.snapshots):  # the restore is over everywhere
+                log.info("removed this node's replicas of another world size (the job changed size)")
         if step is None and self.restore_overwrote:
             self._start_over(state, fresh, before)
         elif step is None and unstepped:

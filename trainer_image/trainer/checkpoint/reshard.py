@@ -70,6 +70,25 @@ def held_steps(store: Any) -> dict[int, tuple[int, dict[int, Source]]]:
     return out
 
 
+def drop_other_worlds(store: Any) -> int:
+    """Remove the replicas and fetched copies of another world size from this node's directory once the restore is
+    over on every rank (nothing reads them then: the next change of size reshards this size's snapshots); returns
+    how many files went. The node's own slot files are reused by the new ranks' slots."""
+    gone = 0
+    for meta_path in sorted(store.dir.glob("*rank-*.slot-*.meta")) if store.dir.is_dir() else []:
+        if not meta_path.name.startswith(("peer-", FETCHED)):
+            continue
+        try:
+            world = torch.load(meta_path, map_location="cpu", weights_only=True).get("world_size")
+        except Exception:  # noqa: BLE001 - a half-written header: its writer removes or completes it
+            continue
+        if world is not None and world != store.world_size:
+            for path in (meta_path, meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")):
+                path.unlink(missing_ok=True)
+            gone += 1
+    return gone
+
+
 def candidates(mgr: Any) -> tuple[dict[tuple[int, int], int], dict[int, tuple[int, dict[int, Source]]]]:
     """(step, old world size) -> a rank whose node holds every old rank's snapshot of it, over the job (collective);
     and this node's own such steps (`held_steps`)."""
