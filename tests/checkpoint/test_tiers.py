@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -325,6 +326,19 @@ def test_auto_interval_counts_a_snapshots_cost_over_the_steps_after_it(monkeypat
     assert chosen == [60] and taken[:3] == [5, 10, 15] and taken[3] == 75
 
 
+def _tampered_snapshots_only(root: Path, tamper) -> Any:
+    """Snapshots of steps 1 and 2 on the node, nothing on disk, every header and file passed through ``tamper``; the
+    manager of a worker respawned there."""
+    state, mgr = make_state(), manager(root, persist_every=0)
+    for step in (1, 2):
+        train_step(state, step)
+        mgr.save(step, state)
+    mgr.close()
+    for meta in (root / "node").rglob("*.meta"):
+        tamper(meta, meta.with_suffix(".data"))
+    return manager(root, persist_every=0)
+
+
 def test_a_snapshot_refused_after_it_was_copied_in_leaves_a_fresh_state_when_no_other_step_is_left(tmp_path, pg,
                                                                                                      caplog):
     """Every snapshot fails its check while it is copied in (a flipped bit), and the disk holds nothing: the
@@ -333,15 +347,7 @@ def test_a_snapshot_refused_after_it_was_copied_in_leaves_a_fresh_state_when_no_
     verified went on from that step while the refused one started from 0: "ranks saved different steps".)"""
     fresh_weights = snapshot(make_state(seed=8))
     for fresh in (lambda: make_state(seed=8), None):
-        root = tmp_path / ("fresh" if fresh else "none")
-        state, mgr = make_state(), manager(root, persist_every=0)
-        for step in (1, 2):
-            train_step(state, step)
-            mgr.save(step, state)
-        mgr.close()
-        for meta in (root / "node").rglob("*.meta"):
-            _flip(meta, meta.with_suffix(".data"))
-        respawned = manager(root, persist_every=0)
+        respawned = _tampered_snapshots_only(tmp_path / ("fresh" if fresh else "none"), _flip)
         try:
             restored = make_state(seed=8)
             torch.manual_seed(5)
@@ -365,14 +371,7 @@ def test_a_fresh_start_after_refused_snapshots_has_a_fresh_optimizer(tmp_path, p
     optimizer has no state yet. The restore's look at the state (the state-dict API initialises an empty optimizer's
     state with a zero-gradient step at lr 0) must not leave AdamW a step count of 1: the first real step would take
     the second step's bias correction (an elastic run's fresh start once diverged from the fault-free run at step 2)."""
-    state, mgr = make_state(), manager(tmp_path, persist_every=0)
-    for step in (1, 2):
-        train_step(state, step)
-        mgr.save(step, state)
-    mgr.close()
-    for meta in (tmp_path / "node").rglob("*.meta"):
-        _retag("world_size", 2)(meta, meta.with_suffix(".data"))
-    respawned = manager(tmp_path, persist_every=0)
+    respawned = _tampered_snapshots_only(tmp_path, _retag("world_size", 2))
     try:
         restored, reference = make_state(seed=8), make_state(seed=8)
         assert respawned.load_latest(restored) is None

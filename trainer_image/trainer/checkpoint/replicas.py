@@ -220,8 +220,9 @@ class ReplicaServer:
 
     def _get_cut(self, conn: socket.socket, rank: int, step: int, world: int, data: bool) -> None:
         """A snapshot of another world size on this node (``reshard``): its header, and its file when ``data``."""
-        source = reshard.held_steps(self.store).get(step, (0, {}))[1].get(rank)
-        if source is None or reshard.held_steps(self.store)[step][0] != world:
+        held_world, sources = reshard.held_steps(self.store).get(step, (0, {}))
+        source = sources.get(rank) if held_world == world else None
+        if source is None:
             _send(conn, {"ok": False, "why": f"no snapshot of rank {rank}'s step {step} of {world} ranks here"})
             return
         meta_path = source.data.with_name(source.data.name.removesuffix(".data") + ".meta")

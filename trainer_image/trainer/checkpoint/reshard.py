@@ -132,7 +132,8 @@ def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dic
     every file verified and every tensor was covered, else why not. Counts the bytes read as the node-local tier's."""
     live, _ = flatten(state)
     wanted = {key: local_piece(value) for key, value in live.items()}
-    buffers: dict[int, torch.Tensor] = {}
+    views: dict[int, dict[str, torch.Tensor]] = {}  # old rank -> its file's tensors, mapped once and verified
+    nbytes = 0
     try:
         for key, (dst, piece) in wanted.items():
             covered, seen = 0, set()
@@ -144,21 +145,22 @@ def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dic
                 if region in seen or not overlaps(piece.offset, piece.shape, *region):
                     continue  # a replicated tensor is read once
                 seen.add(region)
-                if rank not in buffers:
-                    problem = _map(sources[rank], buffers)
-                    if problem:
-                        return problem
-                views = map_views(buffers[rank], _layout(sources[rank].meta, key))
-                covered += copy_overlap(dst, piece.offset, views[key], *region)
+                if rank not in views:
+                    buffer = map_file(sources[rank].data, int(sources[rank].meta["nbytes"]))
+                    if checksum(buffer) != sources[rank].meta["checksum"]:
+                        return f"checksum mismatch in {sources[rank].data} (flipped or stale bytes)"
+                    layout = {k: (d, o, tuple(shape)) for k, (d, o, shape) in sources[rank].meta["layout"].items()}
+                    views[rank], nbytes = map_views(buffer, layout), nbytes + buffer.numel()
+                covered += copy_overlap(dst, piece.offset, views[rank][key], *region)
             if covered != dst.numel():
                 return f"the snapshots of step {step} cover {covered} of {dst.numel()} elements of {key}"
-        mgr.bytes_read["node-local"] = mgr.bytes_read.get("node-local", 0) + sum(b.numel() for b in buffers.values())
+        mgr.bytes_read["node-local"] = mgr.bytes_read.get("node-local", 0) + nbytes
         source = sources[mgr.rank if mgr.rank in sources else 0]
         apply(state, live, source.meta["payload"], restore_ft=source.rank == mgr.rank)
     except CheckpointError as exc:
         return str(exc)
     finally:
-        buffers.clear()  # the mappings go with their tensors
+        views.clear()  # the mappings go with their tensors
         for fetched in (s for s in sources.values() if s.data.name.startswith(FETCHED)):  # node memory back at once
             fetched.data.unlink(missing_ok=True)
             fetched.data.with_name(fetched.data.name.removesuffix(".data") + ".meta").unlink(missing_ok=True)
@@ -170,17 +172,3 @@ def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dic
 
 def _kind(name: str) -> str:
     return "replica" if name.startswith("peer-") else "fetched" if name.startswith(FETCHED) else "own"
-
-
-def _map(source: Source, buffers: dict[int, torch.Tensor]) -> str:
-    """Map an old rank's snapshot file and check it against its header's checksum; '' when it verified."""
-    buffer = map_file(source.data, int(source.meta["nbytes"]))
-    if checksum(buffer) != source.meta["checksum"]:
-        return f"checksum mismatch in {source.data} (flipped or stale bytes)"
-    buffers[source.rank] = buffer
-    return ""
-
-
-def _layout(meta: dict[str, Any], key: str) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    dtype, offset, shape = meta["layout"][key]
-    return {key: (dtype, offset, tuple(shape))}
