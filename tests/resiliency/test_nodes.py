@@ -36,7 +36,11 @@ STEPS = 34
 # One thread per worker: the reference runs both ranks on one node, where the default would give each half the cores
 # (and so other sums in the matmuls) than a node of one worker does.
 ARGS = [*(a for a in BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}", "--train.cpu_threads=1",
-        *GRACE, *HANGS]  # the peer tier: checkpoint.replicas=auto (1 with two nodes)
+        *GRACE, *HANGS, "--checkpoint.memory_slots=3"]  # the peer tier: checkpoint.replicas=auto (1 with two nodes)
+"""Three snapshot slots: while the newest snapshot's replica is still on its way, a lost node's rank falls back to the
+one before it, and with two slots and a persistent write in flight that is the slot being written, however old (for
+the first seconds after each restart, while the writer process starts; CI: 6 steps redone). A third slot keeps the
+snapshot before the newest, so every bound here holds whatever the disk's speed (``checkpoint.memory_slots``)."""
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6"}
 SEED = fault_seed()
 DRAW = random.Random(SEED)

@@ -93,7 +93,9 @@ class CheckpointConfig:
     """Snapshot slots per rank in host memory (each holds this rank's whole state). Only the slot being persisted
     is held: with 2, the newest snapshot is restaged while the older one is written, and stays its fallback. A
     memory checkpoint is never skipped because the disk is slow; a third slot keeps one more snapshot to fall
-    back to."""
+    back to. With the peer tier, a node lost while its newest snapshot's replica is on its way falls back to the
+    snapshot before: with 2 slots and a write in flight, the one being written (as old as the disk is slow; the
+    first write after each restart also waits for the writer process to start)."""
     node_local: bool = True
     """Publish each snapshot on the node (a header with a checksum beside the slot file) so a worker respawned
     on the same node resumes from it instead of the disk."""
