@@ -249,7 +249,9 @@ def test_an_attempts_model_and_optimizer_state_are_not_kept_alive_after_it_ends(
         mgr.unbind()  # the attempt ends (train()'s finally, after a fault too)
         del state
         gc.collect()
-        assert alive and not any(ref() is not None for ref in alive), "the checkpoint manager still holds them"
+        left = [ref() for ref in alive if ref() is not None]
+        holders = [type(r).__qualname__ for t in left[:1] for r in gc.get_referrers(t) if r is not left]
+        assert alive and not left, f"{len(left)} still held, the first by {holders}"
     finally:
         mgr.close(job_over=True)
 
