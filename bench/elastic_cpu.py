@@ -5,11 +5,10 @@ size.
     PYTHONPATH=.:trainer_image:tests:tests/resiliency .venv/bin/python bench/elastic_cpu.py --data DIR [--runs 3]
 
 Each run waits for the full size, loses node 1 (every process SIGKILLed, its node memory gone) a number of steps later
-drawn anew, lets node 0 train alone
-for 8 steps, then starts node 1 again. Per change of size, from the ledger: the sizes, the layer, the seconds from
-the fault (the shrink: the loss; the grow: the restart the join caused) to the first productive step, and the steps
-redone. ``TRAINER_NODE_WAIT_S`` (default here 5) is part of a shrink's seconds: the others wait that long for the
-lost node.
+drawn anew, lets node 0 train alone for 8 steps, then starts node 1 again. Per change of size, from the ledger: the
+sizes, the layer, the seconds from the fault (the shrink: the loss; the grow: the restart the join caused) to the
+first productive step, and the steps redone. ``TRAINER_NODE_WAIT_S`` (default here 5) is part of a shrink's seconds:
+the others wait that long for the lost node.
 """
 
 from __future__ import annotations

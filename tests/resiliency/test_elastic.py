@@ -6,7 +6,7 @@ memory at each change of size where it is the newest: the snapshots of the old s
 failure's message; ``FAULT_SEED`` replays it).
 
 Checked: both nodes exit 0; the ledger's ``elastic`` records say 4 -> 2 ranks after the loss and 2 -> 4 after the
-node came back, neither going back further than the newest snapshots; every start and resume trains the same tokens
+node came back, neither redoing more than 6 steps (three snapshot intervals); every start and resume trains the same tokens
 per step; every step consumed exactly the samples the fault-free run's step did (``data.sample_log``, the union over
 ranks and attempts); each step's loss near the changes equals the fault-free run's but for float32 summation-order
 noise (another reduction order: not bit-equal), and a step trained again after a change equals its first training."""
@@ -85,10 +85,11 @@ def test_a_node_lost_with_no_spare_shrinks_the_job_and_its_return_grows_it_back(
     assert changes[:1] == [(4, 2)] and (2, 4) in changes, f"{changes} {WHY}"
     grew = next(r for r in events(run_dir, "elastic") if r["time"] > back_at and r["after"] == 4)
     assert grew["layer"] == "node" and grew["step"] < STEPS, f"the job grew back before its end {grew} {WHY}"
-    # Neither change goes back further than the newest snapshots (every 2 steps): the memory of the old size is
-    # resharded (reshard.py: the shrink from the survivors' snapshots and node 1's replicas, the grow's new node
-    # fetching from node 0), or the disk read where it holds a newer step. Nothing persisted yet and no reshard: the
-    # grow would start over from step 0.
+    # Neither change redoes more than 6 steps (snapshots every 2: the newest, or the one before when the loss beat the
+    # newest's publication or its replica's push, or with two slots the one a persistent write holds): the memory of
+    # the old size is resharded (reshard.py: the shrink from the survivors' snapshots and node 1's replicas, the grow's
+    # new node fetching from node 0), or the disk read where it holds a newer step. Nothing persisted yet and no
+    # reshard: the grow would start over from step 0.
     for change in (r for r in events(run_dir, "elastic") if r["time"] > lost_at):
         back = next(r for r in events(run_dir, "recovered") if r["time"] >= change["time"])
         assert change["step"] > 0 and back["steps_redone"] <= 6, \

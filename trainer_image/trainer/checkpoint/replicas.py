@@ -30,7 +30,6 @@ import json
 import logging
 import mmap
 import os
-import re
 import socket
 import struct
 import threading
@@ -41,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import reshard
+from trainer.checkpoint import headers, reshard
 from trainer.checkpoint.slots import SNAPSHOT_FORMAT, Slot, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,6 @@ _HEAD = struct.Struct("!II")  # JSON length, blob length
 _PIECE = 16 << 20
 _TIMEOUT_S = 60.0
 _MAX_SLOTS = 64
-_NAME = re.compile(r"(peer-)?rank-(\d{5})\.slot-(\d+)\.meta$")
 
 
 def resolve_count(setting: int | str, nodes: int) -> int:
@@ -144,30 +142,18 @@ class ReplicaServer:
         threading.Thread(target=self._accept, name="replica-server", daemon=True).start()
 
     def _paths(self, rank: int, index: int) -> tuple[Path, Path]:
-        stem = f"peer-rank-{rank:05d}.slot-{index}"
+        stem = f"{headers.PEER}rank-{rank:05d}.slot-{index}"
         return self.store.dir / f"{stem}.meta", self.store.dir / f"{stem}.data"
 
     def held(self) -> dict[int, dict[int, Path]]:
         """Source rank -> {step: header} of the snapshots held here for this job, world size and config: the replicas,
         and the node's own slots of a rank it no longer runs (a new rendezvous numbered its ranks otherwise)."""
         out: dict[int, dict[int, Path]] = defaultdict(dict)
-        for meta_path in sorted(self.store.dir.glob("*rank-*.slot-*.meta")):
-            match = _NAME.match(meta_path.name)
-            if match and not match.group(1) and int(match.group(2)) == self.store.rank:
-                continue  # this rank's own slots: the node-local tier's
-            try:
-                meta = torch.load(meta_path, map_location="cpu", weights_only=True) if match else None
-            except Exception:  # noqa: BLE001 - half-written or foreign: not a replica
-                continue
-            if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT:
-                continue
-            if (meta.get("job"), meta.get("world_size"), meta.get("config_hash")) != \
-                    (self.store.job, self.store.world_size, self.store.config_hash):
-                continue
-            rank = int(match.group(2))  # type: ignore[union-attr]
-            data = meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
-            if data.is_file() and data.stat().st_size == meta.get("nbytes") and meta.get("rank") == rank:
-                out[rank][int(meta["step"])] = meta_path
+        for found in headers.scan(self.store):
+            if found.kind == headers.FETCHED or (not found.kind and found.rank == self.store.rank):
+                continue  # a reshard's fetched copy, or this rank's own slots: the node-local tier's
+            if found.meta.get("world_size") == self.store.world_size:
+                out[found.rank][int(found.meta["step"])] = found.meta_path
         return dict(out)
 
     def _accept(self) -> None:
@@ -197,7 +183,7 @@ class ReplicaServer:
     def _put(self, conn: socket.socket, rank: int, index: int, step: int, nbytes: int, header: bytes) -> None:
         with self._locks[rank]:
             for held_step, other in self.held().get(rank, {}).items():
-                if held_step >= step and other.name.startswith("peer-"):  # a future the job did not keep, or again
+                if held_step >= step and other.name.startswith(headers.PEER):  # a future the job did not keep, or again
                     other.unlink(missing_ok=True)
             meta_path, data_path = self._paths(rank, index)
             meta_path.unlink(missing_ok=True)
@@ -213,7 +199,7 @@ class ReplicaServer:
             if meta_path is None:
                 _send(conn, {"ok": False, "why": f"no replica of rank {rank}'s step {step} here"})
                 return
-            data_path = meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
+            data_path = headers.data_path(meta_path)
             nbytes = data_path.stat().st_size
             _send(conn, {"ok": True, "nbytes": nbytes}, meta_path.read_bytes())
             _send_file(conn, data_path, nbytes)
@@ -225,9 +211,8 @@ class ReplicaServer:
         if source is None:
             _send(conn, {"ok": False, "why": f"no snapshot of rank {rank}'s step {step} of {world} ranks here"})
             return
-        meta_path = source.data.with_name(source.data.name.removesuffix(".data") + ".meta")
         nbytes = source.data.stat().st_size if data else 0
-        _send(conn, {"ok": True, "nbytes": nbytes}, meta_path.read_bytes())
+        _send(conn, {"ok": True, "nbytes": nbytes}, source.meta_path.read_bytes())
         if data:
             _send_file(conn, source.data, nbytes)
 
@@ -235,7 +220,7 @@ class ReplicaServer:
         self._closed = True
         self.listener.close()
         if remove:
-            for path in [*self.store.dir.glob("peer-rank-*"), *self.store.dir.glob(f"{reshard.FETCHED}rank-*")]:
+            for path in [*self.store.dir.glob(f"{headers.PEER}rank-*"), *self.store.dir.glob(f"{headers.FETCHED}rank-*")]:
                 path.unlink(missing_ok=True)
 
 
@@ -348,9 +333,9 @@ class Replicator:
 
     def fetch_cut(self, holder: int, rank: int, step: int, world: int, data: bool) -> tuple[str, dict[str, Any], int]:
         """Old rank ``rank``'s snapshot of ``step`` (of ``world`` ranks) from ``holder``'s node (``reshard``): its
-        header, and with ``data`` its file, fetched into this node's directory as ``reshard.FETCHED``. Returns ('' or
+        header, and with ``data`` its file, fetched into this node's directory as ``headers.FETCHED``. Returns ('' or
         why not, the header, bytes). Its file is named for this rank too: the node's other ranks may fetch the same."""
-        stem = self.store.dir / f"{reshard.FETCHED}rank-{rank:05d}.slot-{self.store.rank}"
+        stem = self.store.dir / f"{headers.FETCHED}rank-{rank:05d}.slot-{self.store.rank}"
         try:
             with socket.create_connection(self.addresses[holder], timeout=_TIMEOUT_S) as sock:
                 _send(sock, {"op": "get_cut", "job": self.store.job, "rank": rank, "step": step, "world": world,

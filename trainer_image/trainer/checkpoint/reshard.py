@@ -6,7 +6,8 @@ the lost node's ranks (``replicas``). Where every old rank's snapshot of a step 
 its own shard of every tensor out of them (the region its piece covers, from each old piece that overlaps it: the
 same arithmetic as a checkpoint on disk read on another world size) instead of reading the persistent tier. Every
 file read is checked against its header's checksum first; a step some rank cannot restore this way is left to the
-other tiers. A job that grows back reads the disk: the new node's memory is empty (not fetched from the others).
+other tiers. When the job grows back, a node that joined (its memory empty) fetches the old ranks' snapshots its
+ranks' shards overlap from the replica server of a node that holds them all (``Replicator.fetch_cut``).
 
 Headers carry each tensor's piece (global shape, offset, local shape) from when they are published; a header
 without them (an older trainer) is not used here.
@@ -15,81 +16,45 @@ without them (an older trainer) is not used here.
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.checkpoint import headers
 from trainer.checkpoint.chunked import checksum
 from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.headers import FETCHED, PEER, Header
 from trainer.checkpoint.layout import copy_overlap, overlaps
 from trainer.checkpoint.slots import map_file, map_views
 from trainer.checkpoint.state import apply, flatten, local_piece
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"(peer-|cut-)?rank-(\d{5})\.slot-(\d+)\.meta$")
-FETCHED = "cut-"
-"""The name prefix of an old rank's snapshot fetched from another node for a reshard (removed with the job)."""
 
-
-@dataclass
-class Source:
-    """One old rank's snapshot of a step, on this node (its own slot file, or a replica held here)."""
-
-    rank: int
-    data: Path
-    meta: dict[str, Any]
-
-
-def held_steps(store: Any) -> dict[int, tuple[int, dict[int, Source]]]:
+def held_steps(store: Any) -> dict[int, tuple[int, dict[int, Header]]]:
     """Step -> (old world size, {old rank: its snapshot}) for each step of another world size whose every rank's
     snapshot is in this node's directory (this job and configuration, file sizes as their headers say)."""
-    found: dict[tuple[int, int], dict[int, Source]] = {}
-    for meta_path in sorted(store.dir.glob("*rank-*.slot-*.meta")) if store.node_local and store.dir.is_dir() else []:
-        match = _NAME.match(meta_path.name)
-        try:
-            meta = torch.load(meta_path, map_location="cpu", weights_only=True) if match else None
-        except Exception:  # noqa: BLE001 - a half-written or foreign header: not a source
-            continue
-        if not isinstance(meta, dict) or "pieces" not in meta or meta.get("world_size") == store.world_size:
-            continue
-        if (meta.get("job"), meta.get("config_hash")) != (store.job, store.config_hash):
-            continue
-        data = meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
-        rank = int(match.group(2))  # type: ignore[union-attr]
-        if meta.get("rank") != rank or not data.is_file() or data.stat().st_size != meta.get("nbytes"):
-            continue
-        found.setdefault((int(meta["step"]), int(meta["world_size"])), {})[rank] = Source(rank, data, meta)
-    out: dict[int, tuple[int, dict[int, Source]]] = {}
-    for (step, world), sources in sorted(found.items()):
-        if set(sources) == set(range(world)):
-            out[step] = (world, sources)
-    return out
+    found: dict[tuple[int, int], dict[int, Header]] = {}
+    for header in headers.scan(store) if store.node_local else []:
+        world = header.meta.get("world_size")
+        if "pieces" in header.meta and world != store.world_size:
+            found.setdefault((int(header.meta["step"]), int(world)), {})[header.rank] = header
+    return {step: (world, sources) for (step, world), sources in sorted(found.items())
+            if set(sources) == set(range(world))}
 
 
 def drop_other_worlds(store: Any) -> int:
     """Remove the replicas and fetched copies of another world size from this node's directory once the restore is
     over on every rank (nothing reads them then: the next change of size reshards this size's snapshots); returns
     how many files went. The node's own slot files are reused by the new ranks' slots."""
-    gone = 0
-    for meta_path in sorted(store.dir.glob("*rank-*.slot-*.meta")) if store.dir.is_dir() else []:
-        if not meta_path.name.startswith(("peer-", FETCHED)):
-            continue
-        try:
-            world = torch.load(meta_path, map_location="cpu", weights_only=True).get("world_size")
-        except Exception:  # noqa: BLE001 - a half-written header: its writer removes or completes it
-            continue
-        if world is not None and world != store.world_size:
-            for path in (meta_path, meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")):
-                path.unlink(missing_ok=True)
-            gone += 1
-    return gone
+    gone = [h for h in headers.scan(store) if h.kind and h.meta.get("world_size") != store.world_size]
+    for header in gone:
+        header.meta_path.unlink(missing_ok=True)
+        header.data.unlink(missing_ok=True)
+    return len(gone)
 
 
-def candidates(mgr: Any) -> tuple[dict[tuple[int, int], int], dict[int, tuple[int, dict[int, Source]]]]:
+def candidates(mgr: Any) -> tuple[dict[tuple[int, int], int], dict[int, tuple[int, dict[int, Header]]]]:
     """(step, old world size) -> a rank whose node holds every old rank's snapshot of it, over the job (collective);
     and this node's own such steps (`held_steps`)."""
     local = held_steps(mgr.snapshots)
@@ -101,7 +66,7 @@ def candidates(mgr: Any) -> tuple[dict[tuple[int, int], int], dict[int, tuple[in
 
 
 def gather(mgr: Any, state: dict[str, Any], step: int, world: int, holder: int,
-           local: dict[int, tuple[int, dict[int, Source]]]) -> tuple[str, dict[int, Source]]:
+           local: dict[int, tuple[int, dict[int, Header]]]) -> tuple[str, dict[int, Header]]:
     """This rank's sources of ``step`` (of ``world`` ranks): its node's own, else the old ranks' snapshots its shard
     overlaps (and old rank 0's, for the non-tensor state), fetched from ``holder``'s node. ('' or why not, sources.)"""
     if step in local and local[step][0] == world:
@@ -109,7 +74,7 @@ def gather(mgr: Any, state: dict[str, Any], step: int, world: int, holder: int,
     if mgr.replicas is None:
         return "this node holds none of it and the peer tier is off (checkpoint.replicas=0)", {}
     pieces = {key: local_piece(v)[1] for key, v in flatten(state)[0].items()}
-    sources: dict[int, Source] = {}
+    sources: dict[int, Header] = {}
     for rank in range(world):
         problem, meta, _ = mgr.replicas.fetch_cut(holder, rank, step, world, data=False)
         if problem:
@@ -123,11 +88,12 @@ def gather(mgr: Any, state: dict[str, Any], step: int, world: int, holder: int,
         if problem:
             return problem, {}
         mgr.bytes_read["peer"] = mgr.bytes_read.get("peer", 0) + nbytes
-        sources[rank] = Source(rank, mgr.snapshots.dir / f"{FETCHED}rank-{rank:05d}.slot-{mgr.rank}.data", meta)
+        stem = mgr.snapshots.dir / f"{FETCHED}rank-{rank:05d}.slot-{mgr.rank}"
+        sources[rank] = Header(FETCHED, rank, meta, stem.with_name(stem.name + ".meta"), stem.with_name(stem.name + ".data"))
     return "", sources
 
 
-def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dict[int, Source]) -> str:
+def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dict[int, Header]) -> str:
     """Fill this rank's shard of ``state`` with ``step`` cut out of the old ranks' snapshots ``sources``; '' when
     every file verified and every tensor was covered, else why not. Counts the bytes read as the node-local tier's."""
     live, _ = flatten(state)
@@ -161,14 +127,13 @@ def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dic
         return str(exc)
     finally:
         views.clear()  # the mappings go with their tensors
-        for fetched in (s for s in sources.values() if s.data.name.startswith(FETCHED)):  # node memory back at once
+        for fetched in (s for s in sources.values() if s.kind == FETCHED):  # node memory back at once
             fetched.data.unlink(missing_ok=True)
-            fetched.data.with_name(fetched.data.name.removesuffix(".data") + ".meta").unlink(missing_ok=True)
+            fetched.meta_path.unlink(missing_ok=True)
     log.info("restored step %d from the nodes' memory: cut out of the snapshots of %d ranks (%s), no file read from "
              "the persistent tier", step, world, ", ".join(
-                 f"{_kind(s.data.name)} {r}" for r, s in sorted(sources.items())))
+                 f"{_KIND[s.kind]} {r}" for r, s in sorted(sources.items())))
     return ""
 
 
-def _kind(name: str) -> str:
-    return "replica" if name.startswith("peer-") else "fetched" if name.startswith(FETCHED) else "own"
+_KIND = {"": "own", PEER: "replica", FETCHED: "fetched"}
