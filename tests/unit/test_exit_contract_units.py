@@ -104,6 +104,21 @@ def test_learned_heartbeat_timeouts_never_undercut_the_launcher_or_the_in_proces
     assert hb.client.loaded_hb_timeouts == HeartbeatTimeouts(initial=1800.0, subsequent=24.0, were_calculated=True)
 
 
+def test_a_learned_timeout_spans_several_of_a_blocking_saves_liveness_signals():
+    """Fast steps (no in-process layer) taught 0.76 s, under the one-second cadence of the signals a blocking save
+    sends while the disk is slow: the rank was restarted in the final save's wait. The bound keeps five of them."""
+    from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
+
+    from trainer.checkpoint.persistent import KEEPALIVE_S
+    from trainer.resiliency import Heartbeat
+
+    hb = Heartbeat(floor_s=None)
+    hb.first_beat_s = 60.0
+    learned = HeartbeatTimeouts(initial=60.0, subsequent=0.76, were_calculated=True)
+    bounded = hb._bounded(learned)
+    assert bounded.subsequent == 5 * KEEPALIVE_S and bounded.initial == 60.0
+
+
 def test_record_exit_signals_the_entrypoint_only_for_job_ending_codes(tmp_path, monkeypatch):
     got: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))

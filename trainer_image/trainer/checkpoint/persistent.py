@@ -39,7 +39,7 @@ from trainer.config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 _COMMIT_POLL_S = 0.05  # a blocking commit polls the ranks' writers this often
-_KEEPALIVE_S = 1.0  # while a blocking commit waits on the disk, the loop's liveness signals go out this often
+KEEPALIVE_S = 1.0  # while a blocking commit waits on the disk, the loop's liveness signals go out this often
 _WRITE_GRACE_S = 30.0  # ... for this long plus the shard's bytes at checkpoint.min_write_mbps
 
 
@@ -206,7 +206,7 @@ class PersistentTier:
             assert persist.slot.buffer is not None
             persist.keepalive_until = now + _WRITE_GRACE_S + persist.slot.buffer.nbytes / (self.cfg.min_write_mbps * 1e6)
         if now <= persist.keepalive_until:
-            if now - persist.alive_at >= _KEEPALIVE_S:
+            if now - persist.alive_at >= KEEPALIVE_S:
                 persist.alive_at = now
                 self.keepalive()
         elif persist.alive_at <= persist.keepalive_until:  # the budget just ran out: say so once

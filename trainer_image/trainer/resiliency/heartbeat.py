@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
+from trainer.checkpoint.persistent import KEEPALIVE_S
 from trainer.config import ConfigError
 from trainer.exitcodes import ExitCode, TrainerExit
 
@@ -17,6 +18,11 @@ log = logging.getLogger("trainer.resiliency")
 SAVES_BEFORE_TIMEOUT_CALC = 2  # compute heartbeat timeouts once an interval containing a save was seen, then again
 TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the training group (not with one rank: on_save),
 # then 3 host syncs (.item())
+KEEPALIVES_PER_TIMEOUT = 5
+"""A learned ``subsequent`` timeout spans at least this many of the liveness signals a blocking save sends while it
+waits on the disk (``checkpoint.persistent.KEEPALIVE_S`` apart): NVRx's safety factor over the steps' intervals,
+applied to that cadence. Fast steps teach a timeout under the cadence itself (0.76 s from 30 ms steps, against a
+signal a second), and a rank waiting on a slow disk was then restarted into the same wait."""
 
 
 def _one_rank_has_nothing_to_synchronize() -> None:
@@ -97,16 +103,17 @@ class Heartbeat(NullHeartbeat):
 
     def _bounded(self, timeouts: Any) -> Any:
         """Learned timeouts, bounded below. ``subsequent`` never below the in-process floor (layers nest
-        outward). ``initial`` never below ft_launcher's configured one: NVRx learns it from the time between
-        connecting and the first heartbeat of this attempt (a fraction of a second: the connection is made just
-        before the loop), but the rank monitor outlives the worker and applies it to the respawned worker,
-        which connects before it loads its checkpoint. A learned 0.71 s killed a respawned worker while it
-        loaded, and the killed worker left its monitor ABORTED, refusing every later heartbeat."""
+        outward) nor ``KEEPALIVES_PER_TIMEOUT`` of a blocking save's liveness signals. ``initial`` never below
+        ft_launcher's configured one: NVRx learns it from the time between connecting and the first heartbeat of
+        this attempt (a fraction of a second: the connection is made just before the loop), but the rank monitor
+        outlives the worker and applies it to the respawned worker, which connects before it loads its checkpoint.
+        A learned 0.71 s killed a respawned worker while it loaded, and the killed worker left its monitor ABORTED,
+        refusing every later heartbeat."""
         from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts
 
         floor = self.floor_s or 0.0
         initial = max(timeouts.initial, self.first_beat_s or 0.0, floor)
-        subsequent = max(timeouts.subsequent, floor)
+        subsequent = max(timeouts.subsequent, floor, KEEPALIVES_PER_TIMEOUT * KEEPALIVE_S)
         if (initial, subsequent) == (timeouts.initial, timeouts.subsequent):
             return timeouts
         return HeartbeatTimeouts(initial=initial, subsequent=subsequent, were_calculated=True)
