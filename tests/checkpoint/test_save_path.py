@@ -256,7 +256,8 @@ def _reachable(root, targets: list[torch.Tensor]) -> list[str]:
             if id(child) in seen or isinstance(child, (types.ModuleType, type)) or id(child) in opaque:
                 continue
             seen.add(id(child))
-            step = path if child is getattr(obj, "__dict__", None) else f"{path}[{names.get(id(child), type(child).__name__)}]"
+            name = names.get(id(child), type(child).__name__)
+            step = path if child is getattr(obj, "__dict__", None) else f"{path}[{name}]"
             if isinstance(child, torch.Tensor) and _storage(child) in wanted:
                 found.append(step)
             queue.append((child, step))

@@ -22,13 +22,13 @@ import pytest
 
 from nodeharness import Cluster
 from test_recovery import BASE, FT_ENV, GRACE, HANGS, events, torchrun
-from testlib import MICRO_MODEL, fault_seed, read_jsonl
+from testlib import fault_seed, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 60  # node 1 comes back right after the shrink: the grow must land while node 0 still has steps to train
 ARGS = [*(a for a in BASE if not a.startswith(("--train.steps", "--train.batch_size"))), f"--train.steps={STEPS}",
-        *MICRO_MODEL, "--train.cpu_threads=1", "--train.batch_size=2", "--data.sample_log=true", *GRACE, *HANGS]
+        "--train.cpu_threads=1", "--train.batch_size=2", "--data.sample_log=true", *GRACE, *HANGS]
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6", "TRAINER_NODE_WAIT_S": "5"}
 SEED = fault_seed()
 LOST_AT = random.Random(SEED).randint(5, 10)

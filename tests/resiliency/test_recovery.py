@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testlib import REPO, free_port, run_session
+from testlib import MICRO_MODEL, REPO, free_port, run_session
 from trainer.checkpoint import FAULT_ENV, load_model_weights
 from trainer.ledger import read
 
@@ -30,13 +30,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 VENV_BIN = Path(sys.executable).parent
 ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
 STEPS = 10
-# Small batches (2 x 64 tokens per rank, ~8x cheaper steps than the tiny preset's 8 x 128): what these tests check
-# (recovery, tiers, exit codes, bit-identical weights against the reference run of the same arguments) does not
-# depend on the batch, and the steps' CPU time no longer dominates each launch on a 2-core machine.
+# Small batches (2 x 64 tokens per rank, ~8x cheaper steps than the tiny preset's 8 x 128) of the micro model (a 40-step
+# 2-rank run: 14 CPU-s against 24 with the tiny one): what these tests check (recovery, tiers, exit codes, bit-identical
+# weights against the reference run of the same arguments) depends on neither, and on a 2-core machine the steps' CPU
+# time no longer dominates each launch.
 SMALL_BATCHES = ["--train.batch_size=2", "--data.seq_len=64"]
 # test_node_memory runs the preset as it is: its watch must see the run for seconds before it kills a worker.
 PRESET = ["--config", "tiny", "--train.steps=%d" % STEPS, "--checkpoint.interval=2", "--checkpoint.keep=3"]
-BASE = [*PRESET, *SMALL_BATCHES]
+BASE = [*PRESET, *SMALL_BATCHES, *MICRO_MODEL]
 
 
 def inprocess(collective_s, soft_s, hard_s, grace_s):
@@ -197,7 +198,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny
     assert_same_weights(tmp_path, reference)
 
 
-STALL_S = 8  # the final save's stall: the learned heartbeat timeout is ~1.5 s alone, ~4 s under load
+STALL_S = 8  # the final save's stall: past the learned heartbeat timeout (5 s, its bound: resiliency.heartbeat)
 
 
 def test_a_slow_disk_costs_no_snapshot_and_a_sigkill_resumes_from_the_newest(tmp_path, tiny_dataset, reference):
@@ -207,7 +208,7 @@ def test_a_slow_disk_costs_no_snapshot_and_a_sigkill_resumes_from_the_newest(tmp
     after step 8's snapshot, whose node-local header is published in the background, and a kill before it lands
     rightly falls back to the newest snapshot every rank published.)
 
-    The final save then stalls 8 s on the disk, past the heartbeat timeout learned from the steps (a few seconds):
+    The final save then stalls 8 s on the disk, past the heartbeat timeout learned from the steps (its bound, 5 s):
     the ranks keep heartbeating while they wait (checkpoint.min_write_mbps's budget), so ft_launcher does not
     restart them into the same wait: the SIGKILL's is the run's only restart."""
     rc, out, _ = entrypoint(tmp_path, tiny_dataset, *GRACE, "--resiliency.faults=0:10:sigkill",
