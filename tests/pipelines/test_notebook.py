@@ -11,6 +11,7 @@ import pytest
 from nbclient import NotebookClient
 
 from pipelines import cli
+from testlib import MICRO_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks" / "run_pipeline.ipynb"
@@ -24,11 +25,12 @@ def test_notebook_runs_locally(tmp_path, monkeypatch):
     monkeypatch.delenv(cli.IN_CLUSTER_ENV, raising=False)
     monkeypatch.setenv("NOTEBOOK_RUN_ROOT", str(tmp_path))
     monkeypatch.setenv("NOTEBOOK_STEPS", "20")  # past the sigkill at step 17; 10 steps fewer than the default
-    # Small batches (2 x 64 tokens per rank), a short evaluation and the demo's two ranks on one node (one launcher
+    # Small batches (2 x 64 tokens per rank) of the micro model, a short evaluation and the demo's two ranks on one node (one launcher
     # fewer to start): that the notebook runs through is checked here; what the run's numbers mean, and the nodes,
     # are test_local_pipeline's.
     monkeypatch.setenv("NOTEBOOK_PARAMS", json.dumps({"batch_size": 2, "seq_len": 64, "eval_batch_size": 2,
-                                                      "eval_max_batches": 4, "nodes": 1, "procs_per_node": 2}))
+                                                      "eval_max_batches": 4, "nodes": 1, "procs_per_node": 2,
+                                                      "trainer_overrides": list(MICRO_MODEL)}))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=800, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
