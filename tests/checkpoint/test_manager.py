@@ -199,8 +199,9 @@ def test_in_process_restart_never_waits_for_the_disk(tmp_path, pg, monkeypatch, 
 
 def test_the_final_save_keeps_the_liveness_signals_going_while_a_stuck_write_stops(tmp_path, pg, monkeypatch):
     """A write blocked in the kernel (a slow disk's write or fsync) stops only when that call returns: while the final
-    save waits for it, the loop's liveness signals go on (a preemption's final save must not look like a hang)."""
-    monkeypatch.setenv(FAULT_ENV, "slow_write:30")
+    save waits for it, the loop's liveness signals go on (a preemption's final save must not look like a hang). Step
+    1's write stalls 8 s (the final save comes well within it); the final one is not slowed."""
+    monkeypatch.setenv(FAULT_ENV, "slow_write:8@1")
     state = make_state()
     mgr = manager(tmp_path)
     beats = []
