@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +30,11 @@ def fault_seed() -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a launcher's rendezvous, outside the ephemeral range as the launcher's own choice for its workers
+    (``trainer.resiliency.launch.bound_socket``): no connection opened while it starts can be given it."""
+    from trainer.resiliency.launch import free_port as outside_the_ephemeral_range
+
+    return outside_the_ephemeral_range()
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -462,8 +463,19 @@ def _node_memory_base(args: Sequence[str], marker: str) -> Path:
 
 
 def _free_port() -> int:
+    """A rendezvous port free now, below the kernel's ephemeral range where one is (as ``trainer.resiliency.launch``
+    picks its workers' port): a connection opened on this machine while the launcher starts can take an ephemeral
+    port that was free a moment before, and the launcher then cannot host the store on it."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    for port in random.sample(range(max(1024, first - 10_000), first), 64):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("", port))
+            return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

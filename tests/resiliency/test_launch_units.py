@@ -73,3 +73,21 @@ def test_a_stopped_store_host_waits_briefly_and_a_finished_one_as_before():
     Agent().clean_rdzv_shutdown(close=True)
     Agent().clean_rdzv_shutdown(close=False)
     assert waits == [300.0, launch.STOPPED_LINGER_S]
+
+
+def test_the_workers_port_is_chosen_below_the_ephemeral_range(monkeypatch):
+    """The rendezvous's port for the workers (rank 0 listens on it after its imports) is never one the kernel gives a
+    connection meanwhile: rank 0 exited 203 (EADDRINUSE) twice in one day of tests with torch's choice."""
+    from pathlib import Path
+
+    from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server import api as agent_api
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
+
+    monkeypatch.setattr(agent_api, "_get_socket_with_port", agent_api._get_socket_with_port)
+    monkeypatch.setattr(rendezvous_api, "get_free_port", rendezvous_api.get_free_port)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    launch.workers_port_outside_the_ephemeral_range()
+    for _ in range(20):
+        with agent_api._get_socket_with_port() as sock:
+            assert sock.getsockname()[1] < low
+        assert rendezvous_api.get_free_port() < low

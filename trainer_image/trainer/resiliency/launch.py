@@ -23,6 +23,12 @@ Its one concern is the node's place in the job's rendezvous:
   the job ends; when this node alone is stopped (its pod preempted or ended by a permanent exit) the others are not
   leaving, they wait for it, and its pod would hang there until killed. Stopped, it waits ``STOPPED_LINGER_S``: the
   others join the rendezvous again at the replacement's store.
+- **The workers' port stays free until rank 0 listens on it.** The rendezvous's first node picks the workers'
+  ``MASTER_PORT`` (torch's ``get_free_port``: a port the kernel would give, in its ephemeral range) and frees it;
+  rank 0 binds it seconds later, after its imports, and any connection opened meanwhile on the machine (or the pod)
+  may have been given it as its own port: rank 0 then exits 203 (``EADDRINUSE``) and the job takes an in-job
+  restart for nothing (twice in one day of this project's tests). ``bound_socket`` picks one below the ephemeral range,
+  which no connection is given.
 
 Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
 """
@@ -32,7 +38,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -53,6 +61,48 @@ STOPPED_LINGER_S = 5.0
 """How long a store host stopped by a signal waits for the other nodes to leave the rendezvous."""
 _LOST = ("RendezvousConnectionError", "DistNetworkError")
 """The agent's store is unreachable (its host is gone); a rendezvous that timed out or was closed is not lost."""
+
+
+def bound_socket(host: str = "") -> socket.socket:
+    """A socket bound to a port free on ``host`` (every interface by default), below the kernel's ephemeral range
+    (``ip_local_port_range``), so that once it is closed only an explicit bind can take the port; to one in the
+    ephemeral range if none is free below it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts there
+    draw = random.Random()
+    for _ in range(64):
+        sock = socket.socket()
+        try:
+            sock.bind((host, draw.randrange(max(1024, low - 10_000), low)))
+            return sock
+        except OSError:
+            sock.close()
+    sock = socket.socket()
+    sock.bind((host, 0))
+    return sock
+
+
+def free_port(host: str = "") -> int:
+    """A port free now and outside the ephemeral range (``bound_socket``)."""
+    with bound_socket(host) as sock:
+        return sock.getsockname()[1]
+
+
+def workers_port_outside_the_ephemeral_range() -> None:
+    """The rendezvous picks the workers' ``MASTER_PORT`` with ``bound_socket`` (module docstring): in NVRx's copy of
+    torch's agent (0.4.1) and in torch's rendezvous (where later NVRx releases take it)."""
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
+
+    if hasattr(rendezvous_api, "get_free_port"):
+        rendezvous_api.get_free_port = free_port
+    try:
+        from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server import api as agent_api
+    except ImportError:
+        return
+    if hasattr(agent_api, "_get_socket_with_port"):
+        agent_api._get_socket_with_port = bound_socket
 
 
 def rendezvous_lost(exc: BaseException) -> bool:
@@ -194,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ft.parse_args(argv)
     brief_linger_when_stopped(getattr(ft, "LocalElasticAgent", object))
+    workers_port_outside_the_ephemeral_range()
     if os.environ.get(KEEP_ALIVE_ENV):
         tune_keep_alive(float(os.environ[KEEP_ALIVE_ENV]))
     stop = threading.Event()
