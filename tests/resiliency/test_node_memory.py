@@ -9,7 +9,9 @@ mapped (read from /proc while it runs)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from test_recovery import ENTRYPOINT, FT_ENV, GRACE, PRESET, VENV_BIN, events, node_dir
-from testlib import free_port, run_session
+from testlib import RESTARTED, free_port, run_session
 
 pytestmark = pytest.mark.multiprocess
 
@@ -145,16 +147,28 @@ def test_a_failed_plain_torchrun_run_leaves_nothing_in_node_memory(tmp_path, tin
 
 
 def test_a_worker_killed_with_its_children_leaves_nothing_in_node_memory(tmp_path, tiny_dataset):
-    """Rank 0's worker, its checkpoint writer and its resource tracker are SIGKILLed together (a launcher's
-    process-group kill): its semaphores outlive it. ft_launcher restarts the worker group; the new worker removes
-    what the dead one recorded, and the job ends with nothing of it in /dev/shm."""
+    """Rank 0's worker, its checkpoint writer and its resource tracker are SIGKILLed together from outside (a
+    launcher's process-group kill, no injected fault): its semaphores outlive it. ft_launcher restarts the worker
+    group once, every rank's restart names the cause (killed, no exit recorded), the new worker removes what the dead
+    one recorded, and the job ends with nothing of it in /dev/shm nor in its TMPDIR (ft_launcher's and the workers'
+    temp files)."""
     cmd = [str(ENTRYPOINT), *PRESET, "--train.steps=16", f"--data.path={tiny_dataset}", f"--train.run_dir={tmp_path}",
            f"--checkpoint.node_local_dir={node_dir(tmp_path)}", *GRACE]
-    with Watch(tmp_path) as watch:
-        watch.kill_rank = "0"
-        rc, out = _launch(cmd, {**FT_ENV, "FT_MAX_RESTARTS": "2"})
+    tmpdir = Path(tempfile.mkdtemp(prefix="nm-", dir="/tmp"))  # short: socket paths live there
+    try:
+        with Watch(tmp_path) as watch:
+            watch.kill_rank = "0"
+            rc, out = _launch(cmd, {**FT_ENV, "FT_MAX_RESTARTS": "2", "TMPDIR": str(tmpdir)})
+        left_in_tmp = list(tmpdir.iterdir())
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
     assert watch.killed, "rank 0's worker was never killed: it never held a semaphore"
     assert rc == 0, out[-4000:]
-    assert {r["layer"] for r in events(tmp_path, "restart")} == {"injob"}
+    assert out.count(RESTARTED) == 1 and "Traceback" not in out, out[-4000:]
+    restarts = events(tmp_path, "restart")
+    assert {r["rank"] for r in restarts} == {0, 1} and {r["layer"] for r in restarts} == {"injob"}, restarts
+    for r in restarts:
+        assert r["fault"]["kind"] == "killed" and "rank 0: no exit recorded" in r["fault"]["detail"], r
     assert not _left_in_node_memory(tmp_path, watch), out[-4000:]
     assert "left in node memory: sem." in out, "the dead worker's semaphores were not removed by this job"
+    assert not left_in_tmp, f"the job's TMPDIR was not cleaned up: {left_in_tmp}"
