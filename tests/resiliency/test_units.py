@@ -334,6 +334,33 @@ def test_ledger_records_restart_recovery_and_goodput(tmp_path, monkeypatch):
     assert 0 < summary["goodput"]
 
 
+def test_a_worker_that_died_before_its_loop_leaves_its_node_new_and_its_launch_unchanged(tmp_path, monkeypatch):
+    """A pod whose first worker died before its loop started (a port taken: exit 203) and which its launcher started
+    again is still new to the job: a relaunch's restart stays the cluster's (it was counted in-job), a replacement
+    pod's the node's; and a first start whose worker could not start is still a first start, not a relaunch."""
+    from trainer.exitcodes import EXIT_CODE_DIR_ENV
+    from trainer.ledger import mark_started, node_joined
+
+    monkeypatch.setenv(EXIT_CODE_DIR_ENV, str(tmp_path))
+    assert node_joined(0) is True  # the pod's first worker: it dies before its loop starts
+    assert node_joined(0) is True  # the one its launcher starts next
+    mark_started(0)
+    assert node_joined(0) is False and node_joined(1) is True  # later workers of local rank 0: in-job restarts
+    monkeypatch.delenv(EXIT_CODE_DIR_ENV)
+    assert node_joined(0) is None  # no entrypoint.sh: no pod to know
+
+    first = Ledger(tmp_path / "first", rank=0, world_size=2)
+    first.exit(203, "RANKS_LOST", "EADDRINUSE")  # the first worker's exit, before any loop started
+    first.on_train_start(iteration=0, resumed_step=0, joined=[0, 1])
+    assert [r["event"] for r in read(first.path)] == ["exit", "start"]
+    relaunch = Ledger(tmp_path / "relaunch", rank=0, world_size=2)
+    relaunch.write("start", world_size=2)
+    relaunch.exit(202, "PREEMPTED")
+    relaunch.exit(203, "RANKS_LOST", "EADDRINUSE")
+    relaunch.on_train_start(iteration=0, resumed_step=0, joined=[0, 1])
+    assert read(relaunch.path)[-1]["layer"] == "cluster"
+
+
 # --- gloo connection scan ---------------------------------------------------------------------------------
 def test_the_gloo_connection_scan_skips_a_socket_closed_by_another_thread(monkeypatch):
     """The scan lists /proc/self/fd, then wraps each socket; another thread (gloo's, a store's) may close one in

@@ -26,7 +26,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     their launchers), ``node`` (some ranks run on a node that joined the job: a replacement pod, a spare, while the
     other nodes stayed) or ``cluster`` (every node new: pod restarts or a pipeline retry, resuming from a
     checkpoint). ``joined`` lists the ranks whose node joined (``node`` only). A node is new to the job when no worker of
-    its local rank ran in its pod before (``node_joined``). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
+    its local rank started its loop in its pod before (``node_joined``). ``fault`` names the cause, never null: the last unrecovered injected fault record, a
     handled SIGTERM (``preemption``), or, for a fault that was not injected, what this attempt can know of
     it: ``{"kind", "time", "step", "detail"}`` where ``kind`` is ``exception`` (in-process: the
     exception the Wrapper caught on this rank) or ``peer_fault`` (in-process: another rank failed), else
@@ -78,6 +78,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -172,7 +173,7 @@ class Ledger:
             layer = "injob"
         elif len(joined) < self.world_size:
             layer = "node"
-        elif resumed_step > 0 or (self.rank == 0 and read(self.path)):  # a relaunch (other ranks: rank 0 wrote)
+        elif resumed_step > 0 or (self.rank == 0 and self._trained_before()):  # a relaunch (others: rank 0 wrote)
             layer = "cluster"
         else:
             if self.rank == 0:
@@ -192,6 +193,11 @@ class Ledger:
             for rank, where in enumerate(tiers or [tier]):
                 by_tier.setdefault(str(where), []).append(rank)
             self._pending = {**record, "tiers": by_tier, "bytes_read": dict(sorted((bytes_read or {}).items()))}
+
+    def _trained_before(self) -> bool:
+        """Whether an earlier launch of this run started its loop (a ``start`` or ``restart`` record): a relaunch.
+        The exit of a worker that died before its loop is not one (a first start whose worker could not start)."""
+        return any(r["event"] in ("start", "restart") for r in read(self.path))
 
     def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
         """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
@@ -280,22 +286,28 @@ class Ledger:
         return None if self._done is None else self._done + 1
 
 
-def node_joined(local_rank: int) -> bool | None:
-    """Whether this worker is the first of its local rank in its pod (the node is new to the job: its first start,
-    a replacement pod, a spare taking over); False for a worker its launcher started again on the same node, for
-    whatever reason (its own failure, another node's, a node joining: the launchers' restart counts cannot tell, as
-    only the first counts). None without ``entrypoint.sh`` (no pod to know). Marks this local rank as started."""
+def _started_marker(local_rank: int) -> Path | None:
     directory = os.environ.get(EXIT_CODE_DIR_ENV)
-    if not directory:
-        return None
-    marker = Path(directory) / f"started-local-rank-{local_rank}"
-    if marker.exists():
-        return False
-    try:
-        marker.touch()
-    except OSError:
-        return None
-    return True
+    return Path(directory) / f"started-local-rank-{local_rank}" if directory else None
+
+
+def node_joined(local_rank: int) -> bool | None:
+    """Whether no worker of this local rank started its loop in this pod yet (the node is new to the job: its first
+    start, a replacement pod, a spare taking over); False once one did (``mark_started``), whatever made its launcher
+    start another (its own failure, another node's, a node joining: the launchers' restart counts cannot tell, as only
+    the first counts). A worker that died before its loop started does not count: a relaunched pod whose first
+    worker could not start is still new to the job. None without ``entrypoint.sh`` (no pod to know)."""
+    marker = _started_marker(local_rank)
+    return None if marker is None else not marker.exists()
+
+
+def mark_started(local_rank: int) -> None:
+    """This worker's loop started and its (re)start is in the ledger: the next workers of its local rank in this pod
+    are not new to the job (``node_joined``)."""
+    marker = _started_marker(local_rank)
+    if marker is not None:
+        with contextlib.suppress(OSError):
+            marker.touch()
 
 
 def productive_seconds(metrics_path: Path, steps: int) -> float:

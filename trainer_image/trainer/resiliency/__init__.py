@@ -63,7 +63,7 @@ from trainer.exitcodes import (
     record_exit,
 )
 from trainer.faults import FaultInjector, parse_faults
-from trainer.ledger import Ledger, node_joined, sum_by_key
+from trainer.ledger import Ledger, mark_started, node_joined, sum_by_key
 from trainer.resiliency import straggler as stragglers
 from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
 
@@ -267,6 +267,8 @@ class Layers:
                     joined = [rank for rank, (new, _, _) in enumerate(members) if new]
             self.ledger.on_train_start(self.iteration, resumed_step, tier=tier, joined=joined, tiers=tiers,
                                        bytes_read=total)
+            if self.new_node:
+                mark_started(self.local_rank)
         self.straggler.on_loop_start()
 
     @contextlib.contextmanager
