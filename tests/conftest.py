@@ -11,10 +11,10 @@ import pytest
 
 # `make test` runs the multiprocess tests on two xdist workers a module at a time (--dist loadscope, in this
 # order: --no-loadscope-reorder), so the longest modules go first and none is left to run alone at the end (each
-# module's time: BENCHMARKS.md, session 23).
+# module's time: bench/results/2026-12-06-session23/test-cpu-93e1ff9-summary.txt).
 LONGEST_FIRST = (
     "tests/resiliency/test_recovery.py", "tests/pipelines/test_local_pipeline.py", "tests/hf/test_hf_training.py",
-    "tests/resiliency/test_elastic.py", "tests/resiliency/test_exit_contract.py", "tests/resiliency/test_node_memory.py",
+    "tests/resiliency/test_elastic.py", "tests/resiliency/test_node_memory.py", "tests/resiliency/test_exit_contract.py",
     "tests/trainer/test_fsdp_training.py", "tests/checkpoint/test_resume.py", "tests/pipelines/test_notebook.py",
     "tests/resiliency/test_recovery_exits.py", "tests/checkpoint/test_tiers.py",
 )

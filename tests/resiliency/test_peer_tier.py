@@ -25,8 +25,8 @@ import torch
 
 from nodeharness import Cluster
 from test_nodes import ENV
-from test_recovery import BASE, GRACE, VENV_BIN, _run, events, node_dir
-from testlib import MICRO_MODEL, fault_seed
+from test_recovery import GRACE, TINY_BASE, VENV_BIN, _run, events, node_dir
+from testlib import fault_seed
 from trainer.checkpoint import committed_steps, load_model_weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial, pytest.mark.timeout(900)]  # four launchers on 2 cores
@@ -39,7 +39,7 @@ WHY = f"(seed {SEED}: nodes lost at steps {SPARE_AT}, {CORRUPT_AT} (replicas cor
 # No in-process layer: a lost node is the in-job layer's (every node's launcher meets the new one); one thread per
 # worker, as in test_nodes. The tiny model, not the micro one: the losses' timing (where each lands against the
 # replicas' pushes) is set for its steps.
-RUN_ARGS = [*(a for a in BASE if not a.startswith("--train.steps") and a not in MICRO_MODEL), f"--train.steps={STEPS}",
+RUN_ARGS = [*(a for a in TINY_BASE if not a.startswith("--train.steps")), f"--train.steps={STEPS}",
             "--train.cpu_threads=1",
             *GRACE, "--checkpoint.memory_slots=3"]  # the peer tier: checkpoint.replicas=auto (1 from two nodes on)
 # Three slots: every snapshot is persisted and a write of the tiny state takes seconds on 2 loaded cores, so one slot

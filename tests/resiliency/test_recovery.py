@@ -37,7 +37,8 @@ STEPS = 10
 SMALL_BATCHES = ["--train.batch_size=2", "--data.seq_len=64"]
 # test_node_memory runs the preset as it is: its watch must see the run for seconds before it kills a worker.
 PRESET = ["--config", "tiny", "--train.steps=%d" % STEPS, "--checkpoint.interval=2", "--checkpoint.keep=3"]
-BASE = [*PRESET, *SMALL_BATCHES, *MICRO_MODEL]
+TINY_BASE = [*PRESET, *SMALL_BATCHES]
+BASE = [*TINY_BASE, *MICRO_MODEL]
 
 
 def inprocess(collective_s, soft_s, hard_s, grace_s):

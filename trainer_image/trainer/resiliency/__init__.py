@@ -66,6 +66,7 @@ from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger, mark_started, node_joined, sum_by_key
 from trainer.resiliency import straggler as stragglers
 from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
+from trainer.resiliency.launch import free_port
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +405,7 @@ def _stores(world_size: int, rank: int) -> tuple[Any, dict[str, Any], dist.Store
     from nvidia_resiliency_ext.inprocess.store import StoreMixin
 
     addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.setdefault("MASTER_PORT", str(_free_port())))
+    port = int(os.environ.setdefault("MASTER_PORT", str(free_port())))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     # FT: keys are per in-job attempt only in the agent's store, the one store that outlives an attempt (torchrun,
     # one agent: its count is the job's). Where rank 0 serves the store, every rendezvous round has a new one, and the
@@ -583,11 +584,3 @@ class _WrapperClock:
             self.gc_s += time.perf_counter() - self._gc_began
             self.collections += 1
             self._gc_began = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -21,8 +21,8 @@ TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the traini
 KEEPALIVES_PER_TIMEOUT = 5
 """A learned ``subsequent`` timeout spans at least this many of the liveness signals a blocking save sends while it
 waits on the disk (``checkpoint.persistent.KEEPALIVE_S`` apart): NVRx's safety factor over the steps' intervals,
-applied to that cadence. Fast steps teach a timeout under the cadence itself (0.76 s from 30 ms steps, against a
-signal a second), and a rank waiting on a slow disk was then restarted into the same wait."""
+applied to that cadence. Fast steps teach a timeout under the cadence itself, and a rank waiting on a slow disk was
+then restarted into the same wait (BENCHMARKS.md, session 23)."""
 
 
 def _one_rank_has_nothing_to_synchronize() -> None:

@@ -27,8 +27,8 @@ Its one concern is the node's place in the job's rendezvous:
   ``MASTER_PORT`` (torch's ``get_free_port``: a port the kernel would give, in its ephemeral range) and frees it;
   rank 0 binds it seconds later, after its imports, and any connection opened meanwhile on the machine (or the pod)
   may have been given it as its own port: rank 0 then exits 203 (``EADDRINUSE``) and the job takes an in-job
-  restart for nothing (twice in one day of this project's tests). ``bound_socket`` picks one below the ephemeral range,
-  which no connection is given.
+  restart for nothing (BENCHMARKS.md, session 23). ``bound_socket`` picks one below the ephemeral range, which no
+  connection is given.
 
 Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
 """
