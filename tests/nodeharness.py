@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testlib import REPO, VENV_BIN, free_port, read_jsonl
+from testlib import REPO, VENV_BIN, free_port
 from trainer.checkpoint import reaper
 from trainer.faults import process_tree
+from trainer.ledger import read
 
 ENTRYPOINT = REPO / "trainer_image" / "entrypoint.sh"
 
@@ -141,10 +142,8 @@ class Cluster:
         shutil.rmtree(node.memory, ignore_errors=True)
 
     def steps(self) -> list[int]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [r["step"] for r in read_jsonl(path) if r.get("event") == "step"]
+        # read while the ranks append (and a lost node's rank may die mid-line): a torn line is skipped
+        return [r["step"] for r in read(self.run_dir / "metrics.jsonl") if r.get("event") == "step"]
 
     def replace_lost(self) -> None:
         """The cluster's part: a node whose entrypoint died by a signal (its pod lost) is started again."""
