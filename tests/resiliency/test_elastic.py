@@ -21,18 +21,27 @@ from pathlib import Path
 import pytest
 
 from nodeharness import Cluster
-from test_recovery import BASE, FT_ENV, GRACE, HANGS, events, torchrun
+from test_recovery import BASE, FT_ENV, GRACE, INPROCESS, events, torchrun
 from testlib import fault_seed, read_jsonl
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 60  # node 1 comes back right after the shrink: the grow must land while node 0 still has steps to train
 ARGS = [*(a for a in BASE if not a.startswith(("--train.steps", "--train.batch_size"))), f"--train.steps={STEPS}",
-        "--train.cpu_threads=1", "--train.batch_size=2", "--data.sample_log=true", *GRACE, *HANGS]
+        "--train.cpu_threads=1", "--train.batch_size=2", "--data.sample_log=true", *GRACE, *INPROCESS]
 ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6", "TRAINER_NODE_WAIT_S": "5"}
 SEED = fault_seed()
 LOST_AT = random.Random(SEED).randint(5, 10)
-WHY = f"(seed {SEED}: node 1 lost at step {LOST_AT})"
+SLOWED_AT = LOST_AT + 4
+WHY = f"(seed {SEED}: node 1 lost at step {LOST_AT}, rank 0 slowed from step {SLOWED_AT})"
+"""Node 0's rank 0 sleeps 4x each timed part of its steps from this step on (``slow:4``, for the life of its process;
+the numerics are the same), so the job trains alone 5x slower until node 1's return restarts it: on the micro model
+the 47 steps left would otherwise take ~6 s, fewer than a loaded machine may need to start node 1's launcher and
+meet it (once the job ended first, at step 60). The ranks cannot finish a step without node 1, so step ``lost + 4``
+is begun after the loss (the shrunken job's process is the one slowed) unless the harness's kill lags two steps
+behind the step it saw. The peer's waits in the collectives grow 4x (INPROCESS's 3 s collective timeout, not HANGS'
+2 s). Where the job reached its full size late (a node that started late) the loss comes later and the fault fires
+before it: the shrunken job then trains at full speed, as before."""
 
 
 def consumed(run_dir: Path) -> dict[int, set[tuple[int, int]]]:
@@ -69,7 +78,8 @@ def test_a_node_lost_with_no_spare_shrinks_the_job_and_its_return_grows_it_back(
     reference = tmp_path / "reference"  # two ranks, each accumulating two micro-batches: the elastic run's global batch
     rc, out, _ = torchrun(reference, tiny_dataset, *(a for a in ARGS if a not in BASE), "--train.global_batch=8")
     assert rc == 0, out[-4000:]
-    with Cluster(tmp_path / "elastic", tiny_dataset, "1:2", 2, ARGS, env=ENV) as cluster:
+    slowed = [*ARGS, f"--resiliency.faults=0:{SLOWED_AT}:slow:4"]
+    with Cluster(tmp_path / "elastic", tiny_dataset, "1:2", 2, slowed, env=ENV) as cluster:
         cluster.start_all()
         lost = full_size_from(cluster, 4) + LOST_AT
         cluster.wait_for_step(lost, timeout=240)
