@@ -33,7 +33,6 @@ ENV = {**FT_ENV, "FT_RDZV_KEEP_ALIVE_S": "1", "FT_MAX_RESTARTS": "6", "TRAINER_N
 SEED = fault_seed()
 LOST_AT = random.Random(SEED).randint(5, 10)
 SLOWED_AT = LOST_AT + 4
-WHY = f"(seed {SEED}: node 1 lost at step {LOST_AT}, rank 0 slowed from step {SLOWED_AT})"
 """Node 0's rank 0 sleeps 4x each timed part of its steps from this step on (``slow:4``, for the life of its process;
 the numerics are the same), so the job trains alone 5x slower until node 1's return restarts it: on the micro model
 the 47 steps left would otherwise take ~6 s, fewer than a loaded machine may need to start node 1's launcher and
@@ -42,6 +41,7 @@ is begun after the loss (the shrunken job's process is the one slowed) unless th
 behind the step it saw. The peer's waits in the collectives grow 4x (INPROCESS's 3 s collective timeout, not HANGS'
 2 s). Where the job reached its full size late (a node that started late) the loss comes later and the fault fires
 before it: the shrunken job then trains at full speed, as before."""
+WHY = f"(seed {SEED}: node 1 lost at step {LOST_AT}, rank 0 slowed from step {SLOWED_AT})"
 
 
 def consumed(run_dir: Path) -> dict[int, set[tuple[int, int]]]:
