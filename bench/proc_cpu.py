@@ -40,11 +40,11 @@ def main(argv: list[str]) -> int:
             below |= found
             grew = bool(found)
         for pid in below & table.keys():
-            try:
+            try:  # the newest command line read (after an exec), but not a zombie's, which is empty
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:150]
             except OSError:
-                cmd = seen.get(pid, (0.0, "?"))[1]
-            seen[pid] = (table[pid][1], cmd)
+                cmd = ""
+            seen[pid] = (table[pid][1], cmd or seen.get(pid, (0.0, "?"))[1])
         time.sleep(0.1)
     total = sum(cpu for cpu, _ in seen.values())
     print(f"wall {time.monotonic() - began:.1f} s, sampled CPU {total:.1f} s over {len(seen)} processes", file=sys.stderr)
