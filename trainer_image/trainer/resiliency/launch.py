@@ -30,6 +30,16 @@ Its one concern is the node's place in the job's rendezvous:
   restart for nothing (BENCHMARKS.md, session 23). ``bound_socket`` picks one below the ephemeral range, which no
   connection is given.
 
+- **A node lost while the ranks are assigned stalls no one.** Past the round's completion, the agents exchange their
+  rank-assignment records through the round's store; NVRx waits 300 s for a node's record, and a node lost before it
+  wrote it held the others that long while its replacement waited in the next round. The wait is
+  ``RANK_ASSIGNMENT_TIMEOUT_S``, and a round given up is followed by the next (``retry_a_round_a_node_left``).
+- **A node that comes to a finished run exits 0.** The nodes that trained a run leave when it ends; a node started
+  after that (a replacement pod for one lost in the last seconds, a pod restarted after the job ended) would wait
+  for them until the rendezvous's join timeout (15 minutes) and fail the job. A launcher whose run's last step is
+  committed exits 0 at once, and one waiting in the rendezvous leaves it when the run finishes meanwhile
+  (``finished``, ``leave_a_finished_run``).
+
 Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
 """
 
@@ -44,8 +54,12 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.exitcodes import ENTRYPOINT_PID_ENV, EXIT_CODE_DIR_ENV, ExitCode, cause_chain
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
 
 log = logging.getLogger("trainer.launch")
 
@@ -57,6 +71,15 @@ ENDED_PREFIX = "ended-rank-"
 KEEP_ALIVE_ENV = "TRAINER_RDZV_KEEP_ALIVE_S"
 """Seconds between this node's keep-alives to the rendezvous (set by ``entrypoint.sh``; unset: NVRx's)."""
 POLL_S = 1.0
+RANK_ASSIGNMENT_TIMEOUT_S = 30.0
+"""How long the nodes of a completed rendezvous round wait for each other's rank-assignment records (written within
+milliseconds of the round's completion by a live node): past it, the round is given up
+(``retry_a_round_a_node_left``)."""
+ROUND_RETRIES = 3
+"""Rounds given up in a row before the wait's error ends the launcher (``retry_a_round_a_node_left``)."""
+FINISHED_SIGNAL = signal.SIGUSR2
+"""Sent to itself by a launcher that finds the run finished while it waits in the rendezvous
+(``leave_a_finished_run``)."""
 STOPPED_LINGER_S = 5.0
 """How long a store host stopped by a signal waits for the other nodes to leave the rendezvous."""
 _LOST = ("RendezvousConnectionError", "DistNetworkError")
@@ -110,8 +133,8 @@ def rendezvous_lost(exc: BaseException) -> bool:
     return any(cls.__name__ in _LOST for link in cause_chain(exc) for cls in type(link).__mro__)
 
 
-def trainer_run_dir(argv: list[str]) -> Path | None:
-    """The run directory of the trainer arguments after ``-m trainer`` (None when they do not parse: the workers
+def trainer_config(argv: list[str]) -> JobConfig | None:
+    """The trainer's configuration from the arguments after ``-m trainer`` (None when they do not parse: the workers
     report that themselves)."""
     if "-m" not in argv:
         return None
@@ -124,7 +147,102 @@ def trainer_run_dir(argv: list[str]) -> Path | None:
         _, cfg = parse_args(rest[1:])
     except (ConfigError, SystemExit, OSError, ValueError):
         return None
-    return Path(cfg.train.run_dir)
+    return cfg
+
+
+def retry_a_round_a_node_left(agent_cls: type) -> None:
+    """A node lost between the completion of a rendezvous round and the end of the agents' rank assignment (each
+    agent writes its record to the round's store and reads everyone's; the store's host waits for every other node's
+    last write) left the others waiting for its record for 300 s, NVRx's fixed wait, while its replacement waited in
+    the next round. The assignment (``agent_cls._share_and_gather``) waits ``RANK_ASSIGNMENT_TIMEOUT_S`` instead, and
+    a wait that times out (``DistStoreError``) sends the node to the next round (``_rendezvous`` again), as an in-job
+    restart does, at most ``ROUND_RETRIES`` times in a row. A store that is gone is not a timeout: the rendezvous is
+    lost (``rendezvous_lost``)."""
+    try:
+        from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server import api as agent_api
+    except ImportError:
+        agent_api = None
+    rendezvous = getattr(agent_cls, "_rendezvous", None)
+    info_cls = getattr(agent_api, "_RoleInstanceInfo", None)
+    if rendezvous is None or info_cls is None or not hasattr(agent_cls, "_share_and_gather"):
+        log.warning("a node lost while the ranks are assigned holds the others for 300 s: this NVRx's agent differs")
+        return
+    from torch.distributed import DistStoreError
+
+    def _share_and_gather(self: object, store: object, group_rank: int, group_world_size: int, spec: object) -> list:
+        mine = info_cls(spec.role, group_rank, spec.local_world_size)  # type: ignore[attr-defined]
+        gathered = agent_api.store_util.synchronize(store, mine.serialize(), group_rank, group_world_size,
+                                                    "torchelastic/role_info", RANK_ASSIGNMENT_TIMEOUT_S)
+        return [info_cls.deserialize(record) for record in gathered]
+
+    def _rendezvous(self: object, *args: object, **kwargs: object) -> object:
+        for retry in range(ROUND_RETRIES + 1):
+            try:
+                return rendezvous(self, *args, **kwargs)
+            except DistStoreError as exc:
+                if retry == ROUND_RETRIES:
+                    raise
+                log.warning("a node of this rendezvous round did not assign its ranks in %.0f s (%s): it was lost "
+                            "meanwhile; joining the next round", RANK_ASSIGNMENT_TIMEOUT_S, str(exc).splitlines()[0])
+        raise AssertionError("unreachable")
+
+    agent_cls._share_and_gather = _share_and_gather  # type: ignore[attr-defined]
+    agent_cls._rendezvous = _rendezvous  # type: ignore[attr-defined]
+
+
+class RunFinished(Exception):
+    """The run's last step is committed in its checkpoint directory: a node that comes to it has nothing to train."""
+
+
+def finished(cfg: JobConfig) -> str:
+    """Where the run's last step (``train.steps``) is committed, whole: its manifest and every shard file present at
+    its size and openable (``find_valid_checkpoint`` without checksums: cheap; the checksums are read by whoever
+    loads it, as the evaluation does). Empty while it is not."""
+    from trainer.checkpoint import CheckpointError, committed_steps, find_valid_checkpoint
+
+    steps, directory = cfg.train.steps, cfg.checkpoint_dir
+    if steps not in committed_steps(directory):
+        return ""
+    try:
+        step_dir, _ = find_valid_checkpoint(directory, step=steps, checksums=False)
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return ""
+    return str(step_dir)
+
+
+def leave_a_finished_run(agent_cls: type, cfg: JobConfig, stop: threading.Event) -> None:
+    """A launcher waiting in the rendezvous (``agent_cls._rendezvous``: the job's start, or a node's return) for a
+    run that meanwhile finished leaves it with ``RunFinished``. The nodes that trained the run left when it ended, so
+    a node started again after that (a replacement pod, or one lost in the job's last seconds) would wait for them
+    until the rendezvous's join timeout and fail the job. Polled every ``POLL_S`` from a thread; the exception is
+    raised in the main thread (a signal handler) only while it is still inside the rendezvous, before any worker
+    of this node started."""
+    original = getattr(agent_cls, "_rendezvous", None)
+    if original is None:
+        log.warning("a node started after the run finished waits in the rendezvous: this NVRx's agent has no "
+                    "_rendezvous")
+        return
+    waiting = threading.Event()
+
+    def _rendezvous(self: object, *args: object, **kwargs: object) -> object:
+        waiting.set()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            waiting.clear()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if waiting.is_set() and (where := finished(cfg)):
+            raise RunFinished(where)
+
+    def poll() -> None:
+        while not stop.wait(POLL_S):
+            if waiting.is_set() and finished(cfg):
+                os.kill(os.getpid(), FINISHED_SIGNAL)
+
+    agent_cls._rendezvous = _rendezvous  # type: ignore[attr-defined]
+    signal.signal(FINISHED_SIGNAL, on_signal)
+    threading.Thread(target=poll, name="run-finished", daemon=True).start()
 
 
 class JobEndings:
@@ -248,14 +366,25 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(KEEP_ALIVE_ENV):
         tune_keep_alive(float(os.environ[KEEP_ALIVE_ENV]))
     stop = threading.Event()
-    run_dir = trainer_run_dir(argv)
-    if run_dir is not None:
-        watcher = threading.Thread(target=_watch, args=(JobEndings.since_pod_start(run_dir), stop),
+    cfg = trainer_config(argv)
+    if cfg is not None:
+        if where := finished(cfg):
+            log.info("the run already finished: its last step is committed in %s; this node has nothing to train",
+                     where)
+            return 0
+        watcher = threading.Thread(target=_watch, args=(JobEndings.since_pod_start(Path(cfg.train.run_dir)), stop),
                                    name="job-endings", daemon=True)
         watcher.start()
+        leave_a_finished_run(getattr(ft, "LocalElasticAgent", object), cfg, stop)
+    retry_a_round_a_node_left(getattr(ft, "LocalElasticAgent", object))
     try:
         ft.run(args)
     except Exception as exc:  # noqa: BLE001 - ft_launcher's own main maps every failure to 1, as this does
+        if any(isinstance(link, RunFinished) for link in cause_chain(exc)):
+            log.info("the run finished while this node waited in its rendezvous: its last step is committed in %s; "
+                     "this node has nothing to train", next(link for link in cause_chain(exc)
+                                                           if isinstance(link, RunFinished)))
+            return 0
         if rendezvous_lost(exc):
             log.error("lost the rendezvous (%s: %s): its store's host is gone; this node joins it again",
                       type(exc).__name__, exc)
