@@ -31,6 +31,14 @@ from test_recovery import BASE, events, torchrun  # noqa: E402
 from trainer.checkpoint import load_model_weights  # noqa: E402
 
 
+NOTABLE = (  # the launchers' lines that say how a loss outside the training steps was met (trainer.resiliency.launch)
+    ("a round given up", "did not assign its ranks"),
+    ("a node came to the finished run", "the run already finished"),
+    ("a node left the rendezvous of the finished run", "finished while this node waited"),
+    ("the store's host lost", "joins it again"),
+)
+
+
 def trial(base: Path, dataset: Path, reference: dict, at_s: float, rank: int) -> tuple[bool, str]:
     with Cluster(base, dataset, 2, 1, ARGS, env=ENV) as cluster:
         began = time.monotonic()
@@ -54,8 +62,11 @@ def trial(base: Path, dataset: Path, reference: dict, at_s: float, rank: int) ->
             weights = load_model_weights(cluster.run_dir / "checkpoints")
             same = weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights)
         ok = set(codes.values()) == {0} and same
+        logs = "".join(n.output() for n in cluster.nodes)
+        seen = [what for what, line in NOTABLE if line in logs]
         line = (f"lost node{rank} at {at_s:5.1f} s (step {reached:2d}{', its node had ended' if ended else ''}): "
-                f"codes {sorted(codes.values())}, bit-identical {same}, {took:.0f} s; recovered {recovered}")
+                f"codes {sorted(codes.values())}, bit-identical {same}, {took:.0f} s; recovered {recovered}"
+                f"{'; ' + ', '.join(seen) if seen else ''}")
         return ok, line
 
 

@@ -1,4 +1,4 @@
-"""Every recovery layer across nodes: two ``entrypoint.sh`` processes as two nodes (one worker each, the tiny model on
+"""Every recovery layer across nodes: two ``entrypoint.sh`` processes as two nodes (one worker each, the micro model on
 gloo, each node its own node-local directory and address; ``nodeharness``), every run ending bit-identical to a
 fault-free run of the same ranks.
 
@@ -7,10 +7,12 @@ One run takes a fault of every kind in turn, so the suite pays for one start: an
 restarts every node), the ``node_lost`` fault (a node and its memory gone; the harness starts the replacement pod),
 the loss of the node hosting the rendezvous's store (the other node joins the rendezvous again; after each loss the
 new node's rank fetches its state from the replica in the other node's memory, the peer tier), and a preemption
-(SIGTERM to every pod: both exit 202, then both are started again and resume: the cluster layer). One more run: a
-permanent error on one node (every node stops after one attempt with its code). Every fault's step is drawn anew each
-run, so each lands at one distance or another from a snapshot; the seed is in every failure's message. Nothing of a run is left in node memory
-(``/dev/shm``): a lost node's is removed with it, as its pod's would be.
+(SIGTERM to every pod: both exit 202, then both are started again and resume: the cluster layer); then a node started
+again after the run ended, which exits 0 at once. One more run: a permanent error on one node (every node stops after
+one attempt with its code). Every fault's step is drawn anew each run, so each lands at one distance or another from a
+snapshot; the seed is in every failure's message. Nothing of a run is left in node memory (``/dev/shm``): a lost
+node's is removed with it, as its pod's would be. (A node lost at a moment drawn in wall-clock time, start and end
+included: ``drill_kill_anytime.py``, run by hand.)
 """
 
 from __future__ import annotations
@@ -101,9 +103,13 @@ def layered(tmp_path_factory, tiny_dataset):
             node.lost = True
             cluster.start(node.rank)
         codes = cluster.run_to_end(timeout=180)
+        shm_left = cluster.left_in_memory()
+        late = cluster.start(0)  # a pod started again after the job ended (its node lost in the run's last seconds)
+        began = time.monotonic()
+        late_code = late.proc.wait(timeout=120)
         yield {"cluster": cluster, "codes": codes, "stopped_at": stopped_at, "lost_at": lost_at, "host": host,
-               "survivor": survivor,
-               "preempted_codes": preempted_codes, "shm_left": cluster.left_in_memory()}
+               "survivor": survivor, "preempted_codes": preempted_codes, "shm_left": shm_left,
+               "late": (late, late_code, time.monotonic() - began)}
 
 
 def _recovered(run, **match):
@@ -207,6 +213,15 @@ def test_preemption_of_every_pod_commits_and_every_pod_started_again_resumes(lay
     relaunched = [r for r in events(run_dir, "restart") if r["layer"] == "cluster"]
     assert sorted(r["rank"] for r in relaunched) == [0, 1], relaunched
     assert {(r["resumed_step"], r["tier"]) for r in relaunched} == {(preempted["step"], "disk")}, relaunched
+
+
+def test_a_node_started_after_the_run_finished_exits_0_without_waiting_for_the_others(layered):
+    """The nodes that trained the run left when it ended: a pod started after that (a replacement for one lost in the
+    run's last seconds) has nothing to wait for in the rendezvous (15 minutes, then a failed job)."""
+    node, code, took = layered["late"]
+    out = node.output()
+    assert code == 0 and "the run already finished" in out and "training finished" in out, out[-3000:]
+    assert "starting workers" not in out and took < 60, f"{took:.0f} s\n{out[-3000:]}"
 
 
 def test_a_permanent_error_on_one_node_stops_every_node_with_its_code(tmp_path, tiny_dataset):
