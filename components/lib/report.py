@@ -195,8 +195,8 @@ def _tiers(tiers: Any) -> str:
     """``; state from node-local (ranks 0, 1), disk (ranks 2, 3)``: where the ranks resumed from, when recorded."""
     if not isinstance(tiers, Mapping) or not tiers:
         return ""
-    parts = [f"{tier} (ranks {', '.join(str(r) for r in ranks)})" for tier, ranks in sorted(tiers.items())
-             if isinstance(ranks, list)]
+    parts = [f"{'nothing: started over' if tier in ('none', 'None') else tier} (ranks {', '.join(map(str, ranks))})"
+             for tier, ranks in sorted(tiers.items()) if isinstance(ranks, list)]  # 'None': ledgers before 'none'
     return "; state from " + ", ".join(parts) if parts else ""
 
 

@@ -165,3 +165,12 @@ def test_torn_elastic_records_never_raise():
     assert "step ?: ? -&gt; 3 ranks" in page and "<b>" not in page
     page = render_report(title="t", metrics=metrics + garbage, ledger=ledger + garbage)
     assert page.count("<tr><td>") >= 3 and "World size over time" in page
+
+
+def test_where_the_state_came_from_is_named_per_rank_and_started_over_is_said_so(tmp_path):
+    metrics, ledger, _ = sample(tmp_path)
+    ledger.append({"event": "recovered", "layer": "node", "step": 2, "fault_kind": "killed", "fault_step": 1,
+                   "recovery_s": 1.0, "steps_redone": 0, "tiers": {"none": [0], "peer": [1]},
+                   "time": ledger[-1]["time"] + 1})
+    page = render_report(title="t", metrics=metrics, ledger=ledger)
+    assert "state from nothing: started over (ranks 0), peer (ranks 1)" in page

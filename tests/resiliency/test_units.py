@@ -334,6 +334,19 @@ def test_ledger_records_restart_recovery_and_goodput(tmp_path, monkeypatch):
     assert 0 < summary["goodput"]
 
 
+def test_ranks_with_nothing_to_restore_are_named_none_in_the_recovery(tmp_path):
+    """A node lost before the first snapshot: the survivor's rank restarts from step 0 with nothing loaded, the new
+    node's too; the recovery names that ``none`` (not Python's ``None`` as a string)."""
+    ledger = Ledger(tmp_path, rank=0, world_size=2)
+    ledger.on_train_start(iteration=0, resumed_step=0)
+    ledger.on_step_end(1)
+    Ledger(tmp_path, rank=1, world_size=2).exit(137, "KILLED")
+    ledger.on_train_start(iteration=0, resumed_step=0, joined=[1], tiers=[None, "peer"])
+    ledger.on_step_end(1)
+    (recovered,) = [r for r in read(tmp_path / "recovery.jsonl") if r["event"] == "recovered"]
+    assert recovered["tiers"] == {"none": [0], "peer": [1]}
+
+
 def test_a_worker_that_died_before_its_loop_leaves_its_node_new_and_its_launch_unchanged(tmp_path, monkeypatch):
     """A pod whose first worker died before its loop started (a port taken: exit 203) and which its launcher started
     again is still new to the job: a relaunch's restart stays the cluster's (it was counted in-job), a replacement

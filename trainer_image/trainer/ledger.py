@@ -42,7 +42,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
 ``{"event": "recovered", "layer", "step", "fault_kind", "fault_step", "recovery_s", "steps_redone", "tiers", "bytes_read"}``
     Rank 0, after the first productive (completed) step following a restart. ``tiers`` maps each tier the ranks
     resumed from to those ranks (``{"node-local": [0, 1], "peer": [2, 3]}``; ``peer``: a replica fetched from
-    another node's memory); ``bytes_read`` the bytes all ranks read from each tier during the restore, a refused
+    another node's memory; ``none``: nothing to restore, those ranks started over from step 0); ``bytes_read`` the bytes all ranks read from each tier during the restore, a refused
     copy's included (``{"node-local": ..., "peer": ...}``: no ``disk`` key, no checkpoint file read). ``recovery_s`` is the time
     from the fault (or, when its time is unknown, from the restart) to that step's end; ``steps_redone`` is how
     many steps completed before the fault must be trained again (fault step - 1 - resumed step; null when
@@ -88,6 +88,8 @@ from typing import Any
 from trainer.exitcodes import EXIT_CODE_DIR_ENV
 
 LEDGER_FILE = "recovery.jsonl"
+NOTHING_RESTORED = "none"
+"""The ``tiers`` key of the ranks a restart found nothing to restore for (they started over from step 0)."""
 METRICS_FILE = "metrics.jsonl"
 LAYERS = ("inprocess", "injob", "node", "cluster")
 NOT_CRASHES = ("corrupt_checkpoint", "slow")
@@ -191,7 +193,7 @@ class Ledger:
         if self.rank == 0:
             by_tier: dict[str, list[int]] = {}
             for rank, where in enumerate(tiers or [tier]):
-                by_tier.setdefault(str(where), []).append(rank)
+                by_tier.setdefault(where or NOTHING_RESTORED, []).append(rank)
             self._pending = {**record, "tiers": by_tier, "bytes_read": dict(sorted((bytes_read or {}).items()))}
 
     def _trained_before(self) -> bool:
