@@ -76,6 +76,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--within", type=float, default=20.0, help="the moment is drawn from [0, WITHIN) s")
     parser.add_argument("--keep", type=Path, default=Path("/tmp/drill-kill-anytime"))
+    parser.add_argument("--keep-slower", type=float, default=None, metavar="S",
+                        help="also keep the logs of a trial that took more than S s")
+    parser.add_argument("--at", type=float, default=None, help="every trial loses its node at this moment (s)")
+    parser.add_argument("--node", type=int, default=None, help="every trial loses this node (0 or 1)")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     draw = random.Random(seed)
@@ -93,11 +97,14 @@ def main() -> int:
     failed = 0
     for i in range(args.trials):
         at_s, rank = draw.uniform(0, args.within), draw.randrange(2)
+        at_s = at_s if args.at is None else args.at
+        rank = rank if args.node is None else args.node
         base = work / f"trial{i}"
+        began = time.monotonic()
         ok, line = trial(base, dataset, reference, at_s, rank)
         print(f"{'ok  ' if ok else 'FAIL'} {i}: {line}", flush=True)
-        if not ok:
-            failed += 1
+        failed += not ok
+        if not ok or (args.keep_slower is not None and time.monotonic() - began > args.keep_slower):
             keep = args.keep / f"seed{seed}-trial{i}"
             shutil.rmtree(keep, ignore_errors=True)
             shutil.copytree(base, keep, ignore=shutil.ignore_patterns("*.distcp", "*.pt", "*-shm"))

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,43 @@ def test_sigterm_while_a_worker_exits_keeps_its_code_and_one_ledger_record(tmp_p
     exits = [r for r in read(tmp_path / "run" / "recovery.jsonl") if r["event"] == "exit"]
     assert [r["code"] for r in exits] == [ExitCode.RANKS_LOST]
     assert (exit_dir / "rank-1").read_text() == "0 203\n"
+
+
+_STOPPED_IN_A_STORE_WAIT = """
+import datetime, sys
+import torch.distributed as dist
+from trainer.resiliency import Preemption
+from trainer.resiliency.launch import free_port
+
+Preemption(grace_s=30).install()
+store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 2, True, timeout=datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+print("waiting", flush=True)
+store.get("rank-1-never-comes")  # in C++ for 60 s: a rank 0 whose peer's node was lost during their start
+"""
+
+
+def test_a_worker_stopped_for_an_in_job_restart_exits_at_once_even_blocked_in_a_store_wait(tmp_path):
+    """ft_launcher's SIGTERM (no preemption marker) reaches a worker whose main thread waits in C++ for a rank that
+    died: it exits TERMINATED at once, not after the launcher's --term-timeout and SIGKILL (a Python handler runs only
+    when the call returns)."""
+    exit_dir = tmp_path / "exits"
+    exit_dir.mkdir()
+    env = {**os.environ, EXIT_CODE_DIR_ENV: str(exit_dir), "RANK": "0"}
+    env.pop(ENTRYPOINT_PID_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_IN_A_STORE_WAIT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        assert proc.stdout.readline().strip() == "waiting", proc.stderr.read()
+        time.sleep(0.5)  # inside the store's get
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+    assert code == ExitCode.TERMINATED and took < 10, (code, took, proc.stderr.read()[-2000:])
+    assert (exit_dir / "rank-0").read_text() == f"0 {int(ExitCode.TERMINATED)}\n"
 
 
 # --- one line on stderr, the traceback in the run's log --------------------------------------------------

@@ -29,7 +29,7 @@ under plain ``torchrun``, under ``ft_launcher`` (``entrypoint.sh``), with or wit
 3. **cluster**: when a budget is spent, the node is unhealthy or the pod is preempted, the process exits
    with the retryable codes of ``trainer.exitcodes`` and the PyTorchJob / pipeline retry restarts it.
 
-Plus: SIGTERM (preemption) handling, fault injection (``trainer.faults``), the recovery ledger
+Plus: SIGTERM (preemption, ``trainer.resiliency.preemption``), fault injection (``trainer.faults``), the recovery ledger
 (``trainer.ledger``), node health checks (``trainer.health``) and straggler detection
 (``resiliency.straggler``, NVRx ``straggler.Detector``: ``trainer.resiliency.straggler``).
 """
@@ -40,8 +40,6 @@ import datetime
 import gc
 import logging
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -51,22 +49,13 @@ import torch.distributed as dist
 
 from trainer import startup
 from trainer.config import ConfigError, JobConfig
-from trainer.exitcodes import (
-    EXIT_CODE_DIR_ENV,
-    PREEMPTING_MARKER,
-    ExitCode,
-    TrainerExit,
-    classify,
-    ending_code,
-    exit_being_recorded,
-    is_retryable,
-    record_exit,
-)
+from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable
 from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger, mark_started, node_joined, sum_by_key
 from trainer.resiliency import straggler as stragglers
 from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
 from trainer.resiliency.launch import free_port
+from trainer.resiliency.preemption import Preemption
 
 log = logging.getLogger(__name__)
 
@@ -75,103 +64,6 @@ TERM_TIMEOUT_ENV = "TRAINER_TERM_TIMEOUT_S"  # exported by entrypoint.sh: ft_lau
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 BARRIER_MARGIN_S = 30.0  # Wrapper barriers wait this much beyond hard timeout + termination grace
 INJOB_MARGIN_S = 10.0  # launcher heartbeat timeouts stay this much above the in-process hard timeout
-
-
-# --- preemption ---------------------------------------------------------------------------------------
-class _FlagReduction:
-    """One step's preemption flags, MAX-reduced over the ranks without a host sync: an async all-reduce whose
-    result (CUDA) is copied to pinned host memory behind an event. Read a step later, when the GPU is long past
-    it: the host waits for nothing while the GPU still has the next step queued."""
-
-    def __init__(self, requested: bool, device: torch.device) -> None:
-        self.flag = torch.full((1,), 1.0 if requested else 0.0, device=device)  # a fill: no host-to-device copy
-        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
-        self.host: torch.Tensor | None = None
-        self.event: Any = None
-        if device.type == "cuda":
-            self.work.wait()  # NCCL: only the current stream waits for the reduction
-            self.host = torch.empty(1, pin_memory=True)
-            self.host.copy_(self.flag, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def any_requested(self) -> bool:
-        if self.event is None:  # gloo: the CPU tensor is the result once the work is done
-            self.work.wait()
-            return bool(self.flag.item() > 0)
-        self.event.synchronize()
-        return bool(self.host.item() > 0)  # type: ignore[union-attr]
-
-
-class Preemption:
-    """SIGTERM: finish the step, write a synchronous checkpoint, exit PREEMPTED within the grace period.
-
-    Ranks agree on the step (the launcher's forwarded SIGTERM reaches ranks at slightly different times): each
-    step's flags are MAX-reduced without waiting and read at the end of the next step, so every rank stops on the
-    same step, one step after the signal reached the last rank (with one rank: the step it arrived in). The final
-    save therefore starts at most two steps after the signal; ``resiliency.preemption_grace_s`` must cover that
-    and the save. A watchdog ends the process when the grace period is over: PREEMPTED if the final checkpoint
-    was committed, else TERMINATED (both retryable).
-    """
-
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
-        self.requested = False
-        self.committed = False
-        self.pending: _FlagReduction | None = None
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if exit_being_recorded():  # this handler interrupted the process's own exit: let that finish
-            return
-        ending = ending_code()
-        if ending is not None:  # already on its way out after its own error: end now, with that code
-            logging.shutdown()
-            os._exit(ending)
-        if self.requested:
-            return
-        exit_dir = os.environ.get(EXIT_CODE_DIR_ENV)
-        if exit_dir and not os.path.exists(os.path.join(exit_dir, PREEMPTING_MARKER)):
-            # FT: ft_launcher is stopping the workers for an in-job restart (a peer died): a final checkpoint
-            # would wait for that peer until the launcher's stop timeout; the restart resumes from the last one.
-            log.warning("SIGTERM from ft_launcher (in-job restart): exiting now")
-            code = record_exit(ExitCode.TERMINATED)
-            logging.shutdown()
-            os._exit(code)
-        self.requested = True
-        log.warning("SIGTERM: final checkpoint at the end of this step (grace %.0f s)", self.grace_s)
-        threading.Thread(target=self._deadline, name="preemption-deadline", daemon=True).start()
-
-    def _deadline(self) -> None:
-        time.sleep(self.grace_s)
-        code = ExitCode.PREEMPTED if self.committed else ExitCode.TERMINATED
-        log.error("preemption grace of %.0f s is over: exiting %s", self.grace_s, code.name)
-        code = record_exit(code)  # the main thread's exit, when it got there first
-        logging.shutdown()
-        os._exit(int(code))
-
-    def agreed(self, device: torch.device, world_size: int) -> bool:
-        """Whether every rank stops after this step (called once per step on every rank)."""
-        if world_size == 1:
-            return self.requested
-        previous, self.pending = self.pending, _FlagReduction(self.requested, device)
-        if previous is not None and previous.any_requested():
-            self.requested = True
-            return True
-        return False
-
-    def restart(self) -> None:
-        """A new attempt (in-process restart): a reduction left by the previous one belongs to its process group."""
-        self.pending = None
-
-    def drain(self) -> None:
-        """Training is over: wait for the last step's reduction before the process group goes."""
-        if self.pending is not None:
-            self.pending.any_requested()
-            self.pending = None
 
 
 # --- the composition ----------------------------------------------------------------------------------
