@@ -232,6 +232,34 @@ def test_a_worker_stopped_for_an_in_job_restart_exits_at_once_even_blocked_in_a_
     assert (exit_dir / "rank-0").read_text() == f"0 {int(ExitCode.TERMINATED)}\n"
 
 
+_A_FORKED_CHILD_GETS_SIGTERM = """
+import os, signal, time
+from trainer.resiliency import Preemption
+
+Preemption(grace_s=30).install()
+pid = os.fork()  # as NVRx's in-process monitor is forked from the worker
+if pid == 0:
+    signal.signal(signal.SIGTERM, lambda *args: None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    os._exit(0)
+os.waitpid(pid, 0)
+time.sleep(1)
+print("alive", flush=True)
+"""
+
+
+def test_a_sigterm_to_a_child_forked_from_the_worker_does_not_stop_the_worker(tmp_path):
+    exit_dir = tmp_path / "exits"
+    exit_dir.mkdir()
+    env = {**os.environ, EXIT_CODE_DIR_ENV: str(exit_dir), "RANK": "0"}
+    env.pop(ENTRYPOINT_PID_ENV, None)
+    result = subprocess.run([sys.executable, "-c", _A_FORKED_CHILD_GETS_SIGTERM], capture_output=True, text=True,
+                            timeout=60, env=env, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip() == "alive", result.stderr[-2000:]
+    assert not (exit_dir / "rank-0").exists()
+
+
 # --- one line on stderr, the traceback in the run's log --------------------------------------------------
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "exit " in line and "(" in line or "config error:" in line]

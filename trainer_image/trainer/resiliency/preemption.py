@@ -44,6 +44,20 @@ def stopped_for_a_restart() -> bool:
     return bool(exit_dir) and not os.path.exists(os.path.join(exit_dir, PREEMPTING_MARKER))
 
 
+def _forget_the_watch(read: int, write: int) -> None:
+    """In a child forked from a worker (NVRx's in-process monitor is one): a signal it gets must not be written to the
+    worker's pipe, where the worker's watch would take it for its own."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the child's main thread
+        pass
+    for fd in (read, write):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def exit_for_the_restart() -> None:
     log.warning("SIGTERM from ft_launcher (in-job restart): exiting now")
     code = record_exit(ExitCode.TERMINATED)
@@ -101,6 +115,7 @@ class Preemption:
             read, write = os.pipe()
             os.set_blocking(write, False)
             signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            os.register_at_fork(after_in_child=lambda: _forget_the_watch(read, write))
             threading.Thread(target=self._watch, args=(read,), name="sigterm-watch", daemon=True).start()
 
     def _watch(self, read: int) -> None:
