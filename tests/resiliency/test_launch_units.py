@@ -153,7 +153,9 @@ def test_a_launcher_waiting_in_the_rendezvous_leaves_a_run_that_finished_meanwhi
 
     stop = threading.Event()
     try:
-        launch.leave_a_finished_run(Agent, object(), stop)
+        check = launch.leave_a_finished_run(Agent, object())
+        watch = launch.JobEndings(tmp_path / "recovery.jsonl", 0)  # the launcher's one watch of the run: no ending
+        threading.Thread(target=launch._watch, args=(watch, check, stop), daemon=True).start()
         ends["at"] = 0.0
         assert Agent()._monitor() == "monitored"
         ends["at"] = time.monotonic() + 0.3

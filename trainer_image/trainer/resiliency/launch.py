@@ -54,7 +54,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from trainer.exitcodes import ENTRYPOINT_PID_ENV, EXIT_CODE_DIR_ENV, ExitCode, cause_chain
 
@@ -176,15 +176,13 @@ def retry_a_round_a_node_left(agent_cls: type) -> None:
         return [info_cls.deserialize(record) for record in gathered]
 
     def _rendezvous(self: object, *args: object, **kwargs: object) -> object:
-        for retry in range(ROUND_RETRIES + 1):
+        for _ in range(ROUND_RETRIES):
             try:
                 return rendezvous(self, *args, **kwargs)
             except DistStoreError as exc:
-                if retry == ROUND_RETRIES:
-                    raise
                 log.warning("a node of this rendezvous round did not assign its ranks in %.0f s (%s): it was lost "
                             "meanwhile; joining the next round", RANK_ASSIGNMENT_TIMEOUT_S, str(exc).splitlines()[0])
-        raise AssertionError("unreachable")
+        return rendezvous(self, *args, **kwargs)  # the last round's error ends the launcher
 
     agent_cls._share_and_gather = _share_and_gather  # type: ignore[attr-defined]
     agent_cls._rendezvous = _rendezvous  # type: ignore[attr-defined]
@@ -210,18 +208,18 @@ def finished(cfg: JobConfig) -> str:
     return str(step_dir)
 
 
-def leave_a_finished_run(agent_cls: type, cfg: JobConfig, stop: threading.Event) -> None:
+def leave_a_finished_run(agent_cls: type, cfg: JobConfig) -> Callable[[], None]:
     """A launcher waiting in the rendezvous (``agent_cls._rendezvous``: the job's start, or a node's return) for a
     run that meanwhile finished leaves it with ``RunFinished``. The nodes that trained the run left when it ended, so
     a node started again after that (a replacement pod, or one lost in the job's last seconds) would wait for them
-    until the rendezvous's join timeout and fail the job. Polled every ``POLL_S`` from a thread; the exception is
-    raised in the main thread (a signal handler) only while it is still inside the rendezvous, before any worker
-    of this node started."""
+    until the rendezvous's join timeout and fail the job. Returns the check the launcher's watch runs every
+    ``POLL_S`` (``_watch``); the exception is raised in the main thread (a signal handler) only while it is still
+    inside the rendezvous, before any worker of this node started."""
     original = getattr(agent_cls, "_rendezvous", None)
     if original is None:
         log.warning("a node started after the run finished waits in the rendezvous: this NVRx's agent has no "
                     "_rendezvous")
-        return
+        return lambda: None
     waiting = threading.Event()
 
     def _rendezvous(self: object, *args: object, **kwargs: object) -> object:
@@ -235,14 +233,13 @@ def leave_a_finished_run(agent_cls: type, cfg: JobConfig, stop: threading.Event)
         if waiting.is_set() and (where := finished(cfg)):
             raise RunFinished(where)
 
-    def poll() -> None:
-        while not stop.wait(POLL_S):
-            if waiting.is_set() and finished(cfg):
-                os.kill(os.getpid(), FINISHED_SIGNAL)
+    def check() -> None:
+        if waiting.is_set() and finished(cfg):
+            os.kill(os.getpid(), FINISHED_SIGNAL)
 
     agent_cls._rendezvous = _rendezvous  # type: ignore[attr-defined]
     signal.signal(FINISHED_SIGNAL, on_signal)
-    threading.Thread(target=poll, name="run-finished", daemon=True).start()
+    return check
 
 
 class JobEndings:
@@ -348,12 +345,14 @@ def _hand_over(ending: tuple[int, int, str]) -> None:
     os.kill(int(entrypoint), signal.SIGUSR1)
 
 
-def _watch(endings: JobEndings, stop: threading.Event) -> None:
+def _watch(endings: JobEndings, run_finished: Callable[[], None], stop: threading.Event) -> None:
+    """The run's shared state, every ``POLL_S``: another node's permanent exit in the ledger, the run's end."""
     while not stop.wait(POLL_S):
         ending = endings.poll()
         if ending is not None:
             _hand_over(ending)
             return
+        run_finished()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,18 +371,17 @@ def main(argv: list[str] | None = None) -> int:
             log.info("the run already finished: its last step is committed in %s; this node has nothing to train",
                      where)
             return 0
-        watcher = threading.Thread(target=_watch, args=(JobEndings.since_pod_start(Path(cfg.train.run_dir)), stop),
-                                   name="job-endings", daemon=True)
-        watcher.start()
-        leave_a_finished_run(getattr(ft, "LocalElasticAgent", object), cfg, stop)
+        run_finished = leave_a_finished_run(getattr(ft, "LocalElasticAgent", object), cfg)
+        threading.Thread(target=_watch, args=(JobEndings.since_pod_start(Path(cfg.train.run_dir)), run_finished, stop),
+                         name="run-watch", daemon=True).start()
     retry_a_round_a_node_left(getattr(ft, "LocalElasticAgent", object))
     try:
         ft.run(args)
     except Exception as exc:  # noqa: BLE001 - ft_launcher's own main maps every failure to 1, as this does
-        if any(isinstance(link, RunFinished) for link in cause_chain(exc)):
+        ended = next((link for link in cause_chain(exc) if isinstance(link, RunFinished)), None)
+        if ended is not None:
             log.info("the run finished while this node waited in its rendezvous: its last step is committed in %s; "
-                     "this node has nothing to train", next(link for link in cause_chain(exc)
-                                                           if isinstance(link, RunFinished)))
+                     "this node has nothing to train", ended)
             return 0
         if rendezvous_lost(exc):
             log.error("lost the rendezvous (%s: %s): its store's host is gone; this node joins it again",

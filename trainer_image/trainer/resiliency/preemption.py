@@ -121,10 +121,13 @@ class Preemption:
     def _watch(self, read: int) -> None:
         """Signals as the C-level handler writes them: a launcher's stop exits here, whatever the main thread does."""
         while True:
-            received = os.read(read, 64)
-            if signal.SIGTERM in received and not exit_being_recorded() and ending_code() is None \
-                    and not self.requested and stopped_for_a_restart():
+            if signal.SIGTERM in os.read(read, 64) and self._stop_for_a_restart():
                 exit_for_the_restart()
+
+    def _stop_for_a_restart(self) -> bool:
+        """Whether a SIGTERM now is the launcher's stop of a worker that is not already ending (its own exit being
+        recorded or done, or a preemption under way)."""
+        return not exit_being_recorded() and ending_code() is None and not self.requested and stopped_for_a_restart()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if exit_being_recorded():  # this handler interrupted the process's own exit: let that finish
