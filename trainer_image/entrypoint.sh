@@ -228,6 +228,9 @@ stop_standby() {  # the server ends its warm standbys (and they die with it: PR_
 trap 'stop_standby; [[ -z "$ahead_pid" ]] || kill "$ahead_pid" 2>/dev/null; reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
 exit_dir="$job_tmp/exit-codes"
 mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
+# Each local rank's device memory peak, noted by its worker for the one that takes over after it, which waits for the
+# dead one's memory to come back before it allocates (trainer/resiliency/device.py).
+mkdir "$job_tmp/device" && export TRAINER_DEVICE_DIR="$job_tmp/device"
 export TMPDIR="$job_tmp" TRAINER_EXIT_CODE_DIR="$exit_dir" TRAINER_TERM_TIMEOUT_S="$term_timeout" TRAINER_ENTRYPOINT_PID=$$
 # This pod's identity in the job (the ledger tells a node that joined from one that was there: trainer/ledger.py),
 # and where its first launcher notes how far the run's ledger went when the pod started (trainer/resiliency/launch.py).

@@ -38,6 +38,47 @@ def test_the_newest_snapshot_is_restaged_only_when_a_locked_one_keeps_an_older_s
     assert _store(tmp_path, [(None, True), (20, False)]).choose() is None
 
 
+@pytest.mark.parametrize("slots, worst", [(2, 40), (3, 10)])
+def test_a_persist_in_flight_costs_no_restore_point_with_three_slots(tmp_path, slots, worst):
+    """A snapshot every 10 steps; the one of step 610 is persisted for 46 steps (17 GB on an H100). A fault one step
+    after each snapshot, while it is being staged, restores the newest complete one: with 2 slots, the one being
+    written (up to 40 steps redone, at step 651), with 3 the snapshot before (10), as with no write at all."""
+    store = SnapshotStore(tmp_path, 0, slots, "job", "{}", node_local=False)
+    redone = {}
+    for step in range(600, 720, 10):
+        slot = store.choose()
+        assert slot is not None, f"the snapshot of step {step} was skipped"
+        slot.step = None  # being staged: not a restore point
+        newest = max(s.step for s in store.slots if s.step is not None) if step > 600 else None
+        if newest is not None:
+            redone[step + 1] = step + 1 - 1 - newest  # the fault at step + 1 redoes these
+        slot.step = step
+        if step == 610:
+            slot.locked = True  # the persistent write starts
+        if step == 650:
+            next(s for s in store.slots if s.locked).locked = False  # 46 steps later it committed
+    assert max(redone.values()) == worst, redone
+
+
+def test_memory_slots_auto_takes_three_where_host_memory_holds_them_else_two(tmp_path, pg, monkeypatch, caplog):
+    from trainer.checkpoint import hostmem
+
+    state = make_state()
+    slot_bytes = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
+    mgr = manager(tmp_path, memory_slots="auto")
+    assert len(mgr.snapshots.slots) == 3
+    monkeypatch.setattr(hostmem, "cgroup_room", lambda *a, **k: int(2.6 * 3 * slot_bytes))  # room for 2, not 3
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        mgr._check_host_memory(state)
+    assert len(mgr.snapshots.slots) == 2
+    lines = [r.getMessage() for r in caplog.records if "memory_slots=auto" in r.getMessage()]
+    assert len(lines) == 1 and "2 slots per rank, not 3" in lines[0], lines
+    monkeypatch.setattr(hostmem, "cgroup_room", lambda *a, **k: slot_bytes)  # not even 2: exit 2, one line
+    with pytest.raises(Exception, match="checkpoint.memory_slots"):
+        manager(tmp_path / "b", memory_slots="auto")._check_host_memory(state)
+    mgr.close()
+
+
 def test_a_slow_persistent_tier_never_makes_a_snapshot_skip(tmp_path, pg, monkeypatch, caplog):
     """Every write stalls 1 s (a disk far slower than a step) with a memory checkpoint and a persist due at every
     step: every step still gets its memory snapshot, only the slot being written is held, the lag is logged once,
@@ -85,7 +126,7 @@ def test_a_fault_while_restaging_the_newest_falls_back_to_the_snapshot_being_wri
     during that copy leaves step 1, still valid, to restore from in memory."""
     monkeypatch.setenv(FAULT_ENV, "slow_write:3@1")
     state = make_state()
-    mgr = manager(tmp_path, interval=1, persist_every=1)
+    mgr = manager(tmp_path, interval=1, persist_every=1, memory_slots=2)
     try:
         train_step(state, 1)
         mgr.save(1, state)

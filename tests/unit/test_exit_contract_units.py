@@ -161,6 +161,26 @@ def test_one_exit_per_process_the_first_wins(tmp_path, monkeypatch):
     assert heard == [ExitCode.RANKS_LOST] and (tmp_path / "rank-0").read_text() == "0 203\n"
 
 
+def test_a_second_way_out_returns_only_once_the_first_has_written_the_code(tmp_path, monkeypatch):
+    """ft_launcher's SIGTERM is read by the watch thread and by the main thread's handler at once: the one that comes
+    second ends the process, which must not happen before the first has written the rank's code."""
+    import threading
+
+    monkeypatch.setattr(exitcodes, "_ending", exitcodes._Ending())
+    monkeypatch.setenv(EXIT_CODE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(ENTRYPOINT_PID_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    recording = threading.Event()
+    with on_exit(lambda code, reason: (recording.set(), time.sleep(0.5))):
+        first = threading.Thread(target=record_exit, args=(ExitCode.TERMINATED,))
+        first.start()
+        assert recording.wait(10)
+        assert record_exit(ExitCode.TERMINATED) == ExitCode.TERMINATED
+        assert (tmp_path / "rank-1").read_text() == "0 143\n"
+        first.join(10)
+
+
 _SIGTERM_AFTER_EXIT = """
 import os, signal, sys, time
 from trainer.exitcodes import ExitCode, on_exit, record_exit

@@ -61,12 +61,22 @@ class ExitCode(enum.IntEnum):
     cluster restarts the whole group."""
     LAUNCHER_LOST = 204
     """This worker lost ft_launcher: its rank monitor or the launcher's IPC socket is gone (BrokenPipe,
-    ConnectionRefused). ft_launcher 0.4.1 never respawns a rank monitor, so an in-job restart would fail the
-    same way: ``entrypoint.sh`` stops the launcher and the pod exits with this code for the cluster layer."""
+    ConnectionRefused). A launcher whose processes die under it is not trusted with an in-job restart:
+    ``entrypoint.sh`` stops the launcher and the pod exits with this code for the cluster layer. (A monitor that is
+    alive but refuses heartbeats is ``RANK_MONITOR_REFUSED``.)"""
     RENDEZVOUS_LOST = 205
     """This node lost the job's rendezvous (its store's host node is gone) and did not find it again within
     ``FT_RDZV_REJOIN_TIMEOUT`` (``entrypoint.sh`` joins it again as long as that lasts: ``trainer.resiliency.launch``);
     the pod restarts, as after a lost launcher."""
+    RANK_MONITOR_REFUSED = 206
+    """This worker's rank monitor is alive but refuses its heartbeats (NVRx's state machine left ``ABORTED`` by two
+    lost connections without a heartbeat between them): a rank failure, which ft_launcher restarts; each attempt
+    gets new rank monitors (``trainer.resiliency.monitors``)."""
+    DEVICE_OUT_OF_MEMORY = 207
+    """A CUDA allocation failed in a job whose model has fit on this local rank before (its first step ran: an OOM at
+    the first step of a model that never fit is ``CONFIG_ERROR``): memory held by another process or fragmented. The
+    in-process layer restarts first (after waiting for the device's memory: ``trainer.resiliency.device``), the
+    in-job layer when its budget is spent or it is off."""
 
 
 def is_retryable(code: int) -> bool:
@@ -122,9 +132,11 @@ _BY_CLASS_NAME: tuple[tuple[str, ExitCode], ...] = (
     ("ShardError", ExitCode.DATA_ERROR),
     ("CheckpointError", ExitCode.CHECKPOINT_ERROR),
     ("NodeUnhealthy", ExitCode.UNHEALTHY_NODE),
+    ("DeviceHeld", ExitCode.UNHEALTHY_NODE),  # the GPU's memory stayed held by something outside the job
     ("RankMonitorClientError", ExitCode.LAUNCHER_LOST),  # NVRx: the rank monitor's socket broke
     ("FaultCounterExceeded", ExitCode.RESTART_BUDGET_EXHAUSTED),
     ("RestartError", ExitCode.RESTART_BUDGET_EXHAUSTED),  # any other NVRx Wrapper give-up (barrier timeout ...)
+    ("OutOfMemoryError", ExitCode.DEVICE_OUT_OF_MEMORY),  # torch's CUDA OOM (Python's MemoryError is not one)
     ("DistError", ExitCode.RANKS_LOST),  # torch.distributed store/network errors: a peer or the store is gone
 )
 # gloo and NCCL raise plain RuntimeErrors when a peer died or hung; their messages name the transport.
@@ -154,6 +166,8 @@ def code_name(code: int) -> str:
 
 
 _exit_listeners: list[Callable[[int, str], None]] = []
+RECORD_WAIT_S = 10.0
+"""How long a second way out of the process waits for the first one's ``record_exit`` to finish writing."""
 
 
 @contextlib.contextmanager
@@ -172,8 +186,12 @@ class _Ending:
     handler) must neither write a second exit into the ledger nor end the process with another code."""
 
     def __init__(self) -> None:
+        import threading
+
         self.code: int | None = None
         self.written = False  # the ledger, the entrypoint's file and its signal are done
+        self.done = threading.Event()  # set with ``written``: another thread's way out waits for it
+        self.recorder: int | None = None  # the thread that records
 
 
 _ending = _Ending()
@@ -194,13 +212,20 @@ def record_exit(code: int, reason: str = "") -> int:
     the entrypoint: nothing more); when the code ``ends_job``, signal the entrypoint (SIGUSR1) to stop
     ft_launcher before it restarts the group. Once per process, from every way out: a later call changes
     nothing and returns the code recorded first, the one the process must end with."""
+    import threading
+
     if _ending.code is not None:
+        if _ending.recorder != threading.get_ident():
+            # FT: another thread records (a launcher's SIGTERM is read by the watch thread and by the main thread's
+            # handler at once): the process must not end before that thread's file and ledger line are written
+            _ending.done.wait(RECORD_WAIT_S)
         return _ending.code
-    _ending.code = int(code)
+    _ending.code, _ending.recorder = int(code), threading.get_ident()
     try:
         _record(int(code), reason)
     finally:
         _ending.written = True
+        _ending.done.set()
     return int(code)
 
 

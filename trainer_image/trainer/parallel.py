@@ -42,6 +42,11 @@ class DistEnv:
         return self.rank == 0
 
 
+def wants_cuda(cfg: TrainConfig) -> bool:
+    """Whether ``select_device`` will pick a GPU (asked without making a CUDA context)."""
+    return cfg.device != "cpu" and torch.cuda.is_available()
+
+
 def select_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))

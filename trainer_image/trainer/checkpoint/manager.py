@@ -42,7 +42,7 @@ from trainer.checkpoint.state import (
     LiveState, apply_rank_state, flatten, local_piece, predicted_bytes, rank_state,
 )
 from trainer.checkpoint.writer import Writer
-from trainer.config import CheckpointConfig
+from trainer.config import CheckpointConfig, ConfigError
 from trainer.parallel import DistEnv
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ SOURCES_WAIT_S = 1.0
 device's backlog when the host fails is about a step."""
 
 _SLOT_ALIGN = 64  # slots.plan_layout's alignment
+AUTO_SLOTS = (3, 2)
+"""``checkpoint.memory_slots=auto``: the slot counts tried in order, the first that host memory holds taken."""
 
 
 class CheckpointManager:
@@ -66,7 +68,8 @@ class CheckpointManager:
         waiting here for a failed peer could not be restarted in-process."""
         self.cfg, self.dir, self.env, self.config_json = cfg, Path(directory), env, config_json
         storage.check_directory(self.dir, env.rank)  # FT: a bad checkpoint.dir is exit 4 at start, not at the first save
-        self.snapshots = SnapshotStore(snapshot_dir(cfg.node_local_dir, self.dir), env.rank, cfg.memory_slots,
+        slots = AUTO_SLOTS[0] if cfg.memory_slots == "auto" else int(cfg.memory_slots)  # auto: settled at restore
+        self.snapshots = SnapshotStore(snapshot_dir(cfg.node_local_dir, self.dir), env.rank, slots,
                                        job_key(self.dir), config_json, cfg.node_local)
         self.snapshots.pin_in_pieces(cfg.pin_chunk_mib << 20)
         # FT: a worker restarted in place removes what dead processes of the job left in node memory, and records
@@ -361,13 +364,29 @@ class CheckpointManager:
         self.restored_from = None
 
     def _check_host_memory(self, state: dict[str, Any]) -> None:
-        """This node's slots and replicas against its node-local directory and memory limit (``hostmem``)."""
+        """This node's slots and replicas against its node-local directory and memory limit (``hostmem``);
+        ``memory_slots=auto`` takes the most of ``AUTO_SLOTS`` that fits, said in one line when it is not the first."""
         if not self.cfg.node_local:
             return
         model = [local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()]
-        replicas = self.cfg.memory_slots * self.replicas.count if self.replicas is not None else 0  # mirrored slots
-        hostmem.check(self.snapshots.dir, predicted_bytes(model, _SLOT_ALIGN), self.cfg.memory_slots, replicas,
-                      self.env.local_world_size)
+        slot_bytes = predicted_bytes(model, _SLOT_ALIGN)
+        counts = AUTO_SLOTS if self.cfg.memory_slots == "auto" else (int(self.cfg.memory_slots),)
+        for count in counts:
+            replicas = count * self.replicas.count if self.replicas is not None else 0  # mirrored slots
+            try:
+                hostmem.check(self.snapshots.dir, slot_bytes, count, replicas, self.env.local_world_size)
+            except ConfigError as exc:
+                if count == counts[-1]:
+                    raise
+                shortfall = exc
+                continue
+            if count < len(self.snapshots.slots):
+                del self.snapshots.slots[count:]
+                if self.env.rank == 0:
+                    log.warning("checkpoint.memory_slots=auto: %d slots per rank, not %d (%s); a fault while a "
+                                "persistent write is in flight restores a snapshot as old as that write",
+                                count, counts[0], shortfall)
+            return
 
     def _prepare_slots(self, state: dict[str, Any]) -> None:
         """Have the snapshot slots reserved in the background from the end of the first step (the first ``save``

@@ -21,6 +21,7 @@ Each copier sets on the slot the events ``SnapshotStore.complete`` and the manag
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -34,6 +35,10 @@ DEVICE_MARGIN_FRACTION = 0.05
 """``device_staging = "auto"`` keeps this fraction of the device's memory (at least ``DEVICE_MARGIN_MIN``) free
 beside the staging buffer, above the peak the training steps so far have used."""
 DEVICE_MARGIN_MIN = 2 * 2**30
+STANDBY_DEVICE_BYTES = 3 * 2**29
+"""What a warm standby of this local rank takes on the device beside the worker (its CUDA context and cuBLAS
+workspace, with room for its prewarm), reserved by ``device_staging = "auto"`` where standbys run
+(``TRAINER_STANDBY_DIR``): the standby is usually made after the first snapshot chose its copier."""
 DRAIN_STEP_FRACTION = 0.5
 """Device staging: a snapshot's device-to-host drain is queued a part per step, each at most this fraction of a step
 at the measured copy rate. The copy engine runs ready device-to-host copies in order, so a step's own small ones
@@ -222,9 +227,11 @@ def device_staging_room(nbytes: int, device: torch.device) -> tuple[bool, str]:
     cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
     room = free + max(0, cached_unused)
     margin = max(DEVICE_MARGIN_MIN, int(DEVICE_MARGIN_FRACTION * total))
+    standby = STANDBY_DEVICE_BYTES if os.environ.get("TRAINER_STANDBY_DIR") else 0
     numbers = (f"buffer {nbytes / 2**30:.1f} GiB, room {room / 2**30:.1f} GiB beside the peak so far, margin "
-               f"{margin / 2**30:.1f} GiB of {total / 2**30:.0f} GiB")
-    return nbytes + margin <= room, numbers
+               f"{margin / 2**30:.1f} GiB" + (f" and a warm standby's {standby / 2**30:.1f} GiB" if standby else "")
+               + f" of {total / 2**30:.0f} GiB")
+    return nbytes + margin + standby <= room, numbers
 
 
 def choose_copier(mode: str, device: torch.device, nbytes: int, stream: Any) -> HostCopy | DirectCopy | DeviceStagedCopy:

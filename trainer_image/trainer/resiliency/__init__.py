@@ -52,14 +52,14 @@ from trainer.config import ConfigError, JobConfig
 from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable
 from trainer.faults import FaultInjector, parse_faults
 from trainer.ledger import Ledger, mark_started, node_joined, sum_by_key
+from trainer.resiliency import device as device_handover
 from trainer.resiliency import straggler as stragglers
-from trainer.resiliency.heartbeat import Heartbeat, NullHeartbeat
+from trainer.resiliency.heartbeat import FT_SOCKET_ENV, Heartbeat, NullHeartbeat
 from trainer.resiliency.launch import free_port
 from trainer.resiliency.preemption import Preemption
 
 log = logging.getLogger(__name__)
 
-FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 TERM_TIMEOUT_ENV = "TRAINER_TERM_TIMEOUT_S"  # exported by entrypoint.sh: ft_launcher's --term-timeout
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 BARRIER_MARGIN_S = 30.0  # Wrapper barriers wait this much beyond hard timeout + termination grace
@@ -93,6 +93,8 @@ class Layers:
         """Whether this worker is the first of its local rank in its pod (the ledger's ``node`` layer)."""
         self.starting = False
         """Between a (re)start of the loop and the end of its first step (its phases are reported then)."""
+        self.device_need = device_handover.NeedRecord.from_environ(local_rank) if device.type == "cuda" else None
+        """This local rank's device memory peak, for the worker that takes over after this one."""
 
     @classmethod
     def create(cls, cfg: JobConfig, rank: int, world_size: int, local_rank: int,
@@ -132,6 +134,11 @@ class Layers:
         health.append(lambda state: ledger.note_exception(getattr(state, "fn_exception", None)) or state)
         straggler = stragglers.create(r, rank, world_size, device, metrics=metrics, ledger=ledger)
         return cls(cfg, rank, world_size, local_rank, device, heartbeat, ledger, faults, health, straggler)
+
+    def fit_before(self) -> bool:
+        """Whether a worker of this local rank (this one, or one before it in this pod) completed a step on the GPU."""
+        record = self.device_need
+        return record is None or record.written > 0 or record.read() > 0
 
     @classmethod
     def null(cls) -> "Layers":
@@ -190,6 +197,8 @@ class Layers:
     def after_step(self, step: int, checkpointer: Any, state: dict[str, Any], saved: bool) -> None:
         if saved:
             self.heartbeat.on_save()
+        if saved or self.starting:  # FT: the peak a successor waits for (a snapshot's staging buffer included)
+            device_handover.note_peak(self.device_need, self.device)
         start = self._first_step_done(checkpointer) if self.starting else None
         if self.ledger is not None:
             self.ledger.on_step_end(step, start)
@@ -285,6 +294,11 @@ def _call(train_fn: TrainFn, res: Any, store: Any, layers: Layers) -> dict[str, 
         return train_fn(res, store, layers)
     except Exception as exc:
         code = classify(exc)
+        if code == ExitCode.DEVICE_OUT_OF_MEMORY and not layers.fit_before():
+            # FT: no restart makes a model fit that never ran a step on this card: one line with what to change
+            raise TrainerExit(ExitCode.CONFIG_ERROR, f"the job does not fit on {res.device} before its first step "
+                              f"completed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): lower "
+                              "train.batch_size or data.seq_len, or train on more GPUs") from exc
         if code != ExitCode.CODE_ERROR and not is_retryable(code):
             # Permanent (config, data, checkpoint): no restart can help. TrainerExit is a BaseException,
             # so it passes through the Wrapper instead of triggering an in-process restart.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -27,6 +29,25 @@ then restarted into the same wait (BENCHMARKS.md, session 23)."""
 
 def _one_rank_has_nothing_to_synchronize() -> None:
     return None
+
+
+FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+PROBE_TIMEOUT_S = 2.0
+
+
+def monitor_listening(path: str) -> bool:
+    """Whether a rank monitor still accepts connections on its socket ``path`` (a dead one's path refuses them)."""
+    if not path:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT_S)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 # --- in-job layer: heartbeats -------------------------------------------------------------------------
@@ -55,13 +76,19 @@ class Heartbeat(NullHeartbeat):
         self.floor_s = floor_s  # in-process hard timeout + margin when the Wrapper is on
         self.saves, self.logged = 0, None  # saves seen; the learned timeouts last logged
         self.first_beat_s: float | None = None  # ft_launcher's initial heartbeat timeout, read at the first connect
+        self.beaten = False  # a heartbeat went over the current connection
 
     def start(self) -> None:
-        """(Re)connect to this rank's monitor; per in-process iteration, as NVRx's nested example does."""
+        """(Re)connect to this rank's monitor; per in-process iteration, as NVRx's nested example does. A connection
+        that has carried no heartbeat yet gets one before it closes: the monitor takes two lost connections without a
+        heartbeat between them for an aborted restart and refuses every heartbeat after (``monitors``)."""
         with self._monitor_link("connect to"):
             if self.client.is_initialized:
+                if not self.beaten:
+                    self.client.send_heartbeat()  # FT: this process is alive; it is restarting in-process
                 self.client.shutdown_workload_monitoring()
             self.client.init_workload_monitoring()
+        self.beaten = False
         if self.first_beat_s is None:
             self.first_beat_s = self.client.cfg.initial_rank_heartbeat_timeout
         configured = self.client.cfg.rank_heartbeat_timeout
@@ -76,6 +103,7 @@ class Heartbeat(NullHeartbeat):
     def beat(self) -> None:
         with self._monitor_link("send a heartbeat to"):
             self.client.send_heartbeat()
+        self.beaten = True
 
     def on_save(self) -> None:
         """Called on every rank at the same step (a save step): learns timeouts (a collective)."""
@@ -124,16 +152,21 @@ class Heartbeat(NullHeartbeat):
 
     @contextlib.contextmanager
     def _monitor_link(self, action: str) -> Iterator[None]:
-        """FT: a broken rank-monitor socket is a lost launcher, not a bug: ft_launcher 0.4.1 never respawns
-        the monitor, so only a new pod helps (TrainerExit passes through the in-process Wrapper)."""
+        """FT: a broken rank-monitor link is not a bug. A monitor that still accepts connections refused this
+        worker (``RANK_MONITOR_REFUSED``: an in-job restart, with new monitors); one that is gone is a lost launcher,
+        for a new pod (``LAUNCHER_LOST``). Both are ``TrainerExit``, which passes through the in-process Wrapper."""
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClientError
 
         try:
             yield
         except (OSError, RankMonitorClientError) as exc:  # BrokenPipe, ConnectionRefused, a broken reply
+            cause = f"{type(exc).__name__}: {exc}"
+            if monitor_listening(os.environ.get(FT_SOCKET_ENV, "")):
+                raise TrainerExit(ExitCode.RANK_MONITOR_REFUSED,
+                                  f"ft_launcher's rank monitor is alive but refused to let this worker {action} it "
+                                  f"({cause}); the in-job layer restarts the group with new monitors") from exc
             raise TrainerExit(ExitCode.LAUNCHER_LOST,
-                              f"cannot {action} ft_launcher's rank monitor ({type(exc).__name__}: {exc}); "
-                              "the pod restarts (in-job restarts cannot respawn it)") from exc
+                              f"cannot {action} ft_launcher's rank monitor ({cause}); the pod restarts") from exc
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.client.state_dict()) if self.client.hb_timeouts is not None else {}

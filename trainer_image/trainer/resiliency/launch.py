@@ -40,7 +40,8 @@ Its one concern is the node's place in the job's rendezvous:
   committed exits 0 at once, and one waiting in the rendezvous leaves it when the run finishes meanwhile
   (``finished``, ``leave_a_finished_run``).
 
-Everything else is ft_launcher's: its arguments, its exit codes (0 or 1), its logs.
+Each attempt's rank monitors are new (``trainer.resiliency.monitors``). Everything else is ft_launcher's: its
+arguments, its exit codes (0 or 1), its logs.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from trainer.exitcodes import ENTRYPOINT_PID_ENV, EXIT_CODE_DIR_ENV, ExitCode, cause_chain
+from trainer.resiliency.monitors import fresh_monitor_per_attempt
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -361,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ft.parse_args(argv)
     brief_linger_when_stopped(getattr(ft, "LocalElasticAgent", object))
+    fresh_monitor_per_attempt(getattr(ft, "LocalElasticAgent", object))
     workers_port_outside_the_ephemeral_range()
     if os.environ.get(KEEP_ALIVE_ENV):
         tune_keep_alive(float(os.environ[KEEP_ALIVE_ENV]))

@@ -1,0 +1,138 @@
+"""A local rank's GPU passing from a dead worker to the next (``trainer/resiliency/device.py``), shown without a GPU:
+the wait against a real process standing in for the dead worker's device memory, the need a worker records, and a
+forked child that lets go of the device files it inherited when its worker dies."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from testlib import REPO
+from trainer.exitcodes import ExitCode, classify
+from trainer.resiliency import device
+
+GIB = 2**30
+
+
+class HeldBy:
+    """A stand-in for a killed worker's device memory: ``held`` GiB of a 80 GiB device are taken while the process
+    ``pid`` lives (a dead worker's memory comes back when its last process lets go of it)."""
+
+    def __init__(self, proc: subprocess.Popen, held: int) -> None:
+        self.proc, self.held = proc, held
+
+    def free(self) -> int:
+        return 80 * GIB - (self.held if self.proc.poll() is None else 0)
+
+
+def holder() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_takeover_waits_while_the_dead_workers_memory_is_held_and_goes_on_when_released(caplog):
+    stand_in = HeldBy(holder(), 64 * GIB)
+    try:
+        killer = subprocess.Popen([sys.executable, "-c", f"import os, time, signal; time.sleep(0.6); "
+                                             f"os.kill({stand_in.proc.pid}, signal.SIGKILL)"])
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="trainer.resiliency"):
+            waited = device.wait_for_memory(62 * GIB, stand_in.free, bound_s=20, label="cuda:0",
+                                            why="its previous worker's memory is being released")
+        assert 0.5 <= waited <= time.monotonic() - began < 10
+        lines = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+        assert len(lines) == 1 and "cuda:0" in lines[0] and "16.0 GiB free at first" in lines[0], lines
+        assert "its previous worker's memory is being released" in lines[0]
+        killer.wait(10)
+    finally:
+        stand_in.proc.kill()
+        stand_in.proc.wait()
+
+
+def test_a_device_that_has_the_memory_is_not_waited_for(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainer.resiliency"):
+        assert device.wait_for_memory(62 * GIB, lambda: 10 * GIB, held_by_me=60 * GIB, bound_s=1) == 0.0
+    assert not caplog.records  # what this process already caches counts as its own (an in-process restart)
+
+
+def test_a_takeover_gives_up_at_the_bound_with_one_line_and_the_node_is_replaced():
+    stand_in = HeldBy(holder(), 64 * GIB)
+    try:
+        with pytest.raises(device.DeviceHeld) as err:
+            device.wait_for_memory(62 * GIB, stand_in.free, bound_s=0.3, label="cuda:1")
+    finally:
+        stand_in.proc.kill()
+        stand_in.proc.wait()
+    message = str(err.value)
+    assert "\n" not in message and "cuda:1" in message and "resiliency.device_wait_s" in message
+    assert "16.0 GiB free after 0.3 s" in message and "62.0 GiB" in message
+    assert classify(err.value) == ExitCode.UNHEALTHY_NODE  # a new pod, not an in-job restart into the same wait
+
+
+def test_the_need_is_written_when_the_peak_grows_and_read_by_the_successor(tmp_path, monkeypatch):
+    monkeypatch.setenv(device.DEVICE_DIR_ENV, str(tmp_path))
+    record = device.NeedRecord.from_environ(1)
+    assert record is not None and record.read() == 0  # no predecessor: nothing to wait for
+    assert record.note(40 * GIB, 80 * GIB)
+    assert not record.note(40 * GIB + device.GROWTH_BYTES - 1, 80 * GIB)  # grew too little to write again
+    assert record.note(50 * GIB, 80 * GIB)
+    assert device.NeedRecord.from_environ(1).read() == 50 * GIB  # a new process of local rank 1 reads it
+    assert device.NeedRecord.from_environ(0).read() == 0
+    (tmp_path / "need-0.json").write_text("{torn")
+    assert device.NeedRecord.from_environ(0).read() == 0  # unreadable: no wait rather than a crash
+    monkeypatch.delenv(device.DEVICE_DIR_ENV)
+    assert device.NeedRecord.from_environ(0) is None  # not under entrypoint.sh
+    assert device.before_first_allocation(0, 1.0, "no record") == 0.0
+
+
+_FORKING_WORKER = """
+import multiprocessing, os, sys, time
+from trainer.resiliency import device
+
+stand_in = open(sys.argv[1], "rb")  # the worker's /dev/nvidia* descriptors
+device.install(prefixes=(sys.argv[1],))
+ctx = multiprocessing.get_context("fork")
+child = ctx.Process(target=time.sleep, args=(60,), daemon=False)  # as NVRx's in-process monitor is forked
+child.start()
+print(child.pid, flush=True)
+os._exit(0)  # the worker dies; the child lives on
+"""
+
+
+def fork_and_die(tmp_path, script: str) -> tuple[Path, int]:
+    """Run ``script`` (a worker that forks a long-lived child and dies) on a stand-in device file; the child's pid."""
+    stand_in = tmp_path / "nvidia0"
+    stand_in.write_bytes(b"\0" * 16)
+    out = tmp_path / "out"
+    with open(out, "w") as sink:  # the child inherits the worker's stdio: a file, not a pipe waited for
+        subprocess.run([sys.executable, "-c", script, str(stand_in)], stdout=sink, stderr=subprocess.STDOUT,
+                       timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "trainer_image")}, check=True)
+    return stand_in, int(out.read_text().split()[0])
+
+
+def test_a_child_forked_from_the_worker_does_not_outlive_it_holding_its_device_files(tmp_path):
+    stand_in, child = fork_and_die(tmp_path, textwrap.dedent(_FORKING_WORKER))
+    try:
+        assert os.path.exists(f"/proc/{child}")  # it outlived the worker
+        held = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
+        assert str(stand_in) not in held and os.devnull in held, held
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_without_the_hook_the_child_would_hold_them(tmp_path):
+    """The check above can fail: a child forked without ``install`` keeps the file open."""
+    script = textwrap.dedent(_FORKING_WORKER).replace("device.install(prefixes=(sys.argv[1],))", "")
+    stand_in, child = fork_and_die(tmp_path, script)
+    try:
+        held = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
+        assert str(stand_in) in held
+    finally:
+        os.kill(child, signal.SIGKILL)

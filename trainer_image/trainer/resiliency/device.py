@@ -1,0 +1,233 @@
+"""A local rank's GPU passing from a dead worker to the next one: no worker allocates on device memory its
+predecessor still holds. That is this module's one concern.
+
+A worker killed with a large allocation frees its device memory seconds after it dies: the kernel first unmaps its
+page-locked host memory (the snapshot slots, tens of GB), and the device memory goes only when the last file
+descriptor of ``/dev/nvidia*`` that the process opened is closed, by it or by any child that inherited it. A warm
+standby (``trainer/standby.py``) takes over within milliseconds; its first allocation then meets a full device
+(an ``OutOfMemoryError`` with the dead worker's tens of GiB still listed), and so may a fresh worker on a fast start.
+
+- **What the job needs** (``NeedRecord``): a worker notes its device's peak reserved memory (the caching allocator's,
+  the snapshot's device staging buffer included) in ``$TRAINER_DEVICE_DIR/need-<local rank>.json`` after its first
+  step and whenever that peak grows. ``entrypoint.sh`` makes the directory per pod: it outlives every worker.
+- **The wait** (``wait_for_memory``): a worker that takes over a local rank (a standby or a fresh process), before
+  its first allocation, and a worker re-entering ``train()`` after an in-process restart, waits until the device's
+  free memory (NVML, which needs no CUDA context; else the CUDA runtime's, where this process has one), plus what this
+  process itself holds, covers that need. One line says how long it waited and why; past
+  ``resiliency.device_wait_s`` it gives up with one line and exits ``UNHEALTHY_NODE``: something other than the
+  job holds the device, and a new pod is what helps.
+- **Children let go** (``release_inherited_device_files``): a child forked from a worker (NVRx's in-process monitor
+  process, a data or checkpoint helper) has its inherited ``/dev/nvidia*`` descriptors pointed at ``/dev/null`` right
+  after the fork, so it never keeps the worker's device memory alive after the worker dies (NVRx's monitor lives
+  on for seconds, up to its store's timeout, after its worker is killed). A forked child cannot use CUDA anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("trainer.resiliency")
+
+DEVICE_DIR_ENV = "TRAINER_DEVICE_DIR"
+"""Exported by ``entrypoint.sh``: a directory of the pod that outlives its workers, for ``NeedRecord``."""
+DEVICE_FILE_PREFIXES = ("/dev/nvidia",)
+"""The device files a forked child lets go of: the control device, each GPU, UVM, and their kin."""
+POLL_S = 0.05
+GROWTH_BYTES = 256 << 20
+"""A peak that grew by less than this since the last record is not written again."""
+GIB = 2**30
+
+
+@dataclass
+class NeedRecord:
+    """``need-<local rank>.json`` in ``TRAINER_DEVICE_DIR``: the device memory the job's worker of one local rank
+    took at its peak (bytes reserved by the caching allocator), written by that worker, read by its successor."""
+
+    directory: Path
+    local_rank: int
+    written: int = 0
+
+    @classmethod
+    def from_environ(cls, local_rank: int) -> "NeedRecord | None":
+        directory = os.environ.get(DEVICE_DIR_ENV)
+        return cls(Path(directory), local_rank) if directory else None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"need-{self.local_rank}.json"
+
+    def read(self) -> int:
+        """The recorded need in bytes; 0 when no worker of this local rank recorded one."""
+        try:
+            return int(json.loads(self.path.read_text())["peak_reserved"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    def note(self, peak_reserved: int, total: int) -> bool:
+        """Record ``peak_reserved`` when it grew by ``GROWTH_BYTES`` since the last note (atomic rename); True when
+        written."""
+        if peak_reserved < self.written + GROWTH_BYTES:
+            return False
+        temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            temporary.write_text(json.dumps({"peak_reserved": int(peak_reserved), "total": int(total),
+                                             "pid": os.getpid(), "time": time.time()}))
+            os.replace(temporary, self.path)
+        except OSError as exc:  # a record not written only costs the next worker its wait
+            log.warning("device memory need not recorded in %s: %s", self.path, exc)
+            return False
+        self.written = peak_reserved
+        return True
+
+
+def note_peak(record: "NeedRecord | None", device: object) -> None:
+    """After a step on ``device`` (a ``torch.device``): its peak reserved memory into ``record`` where it grew."""
+    if record is None or getattr(device, "type", "") != "cuda":
+        return
+    import torch
+
+    record.note(torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+# --- free memory ----------------------------------------------------------------------------------------------
+def nvml_free(index: int) -> Callable[[], int] | None:
+    """Free bytes of CUDA device ``index`` (as this process numbers it) through NVML, which makes no CUDA context:
+    a fresh worker can ask while its predecessor still fills the device. None where NVML is unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = _nvml_handle(pynvml, index)
+    except Exception as exc:  # noqa: BLE001 - no NVML library, no driver, an unknown device: the caller falls back
+        log.debug("NVML unavailable for device %d: %s", index, exc)
+        return None
+    return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+
+
+def _nvml_handle(pynvml: object, index: int) -> object:
+    """NVML's handle of this process's CUDA device ``index``: through CUDA_VISIBLE_DEVICES (indices or UUIDs)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)  # type: ignore[attr-defined]
+    entry = visible[index]
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))  # type: ignore[attr-defined]
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)  # type: ignore[attr-defined]
+
+
+def cuda_free(index: int) -> Callable[[], int] | None:
+    """Free bytes through the CUDA runtime, only where this process already has a context (a warm standby): making
+    one on a full device fails."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return lambda: int(torch.cuda.mem_get_info(index)[0])
+
+
+# --- the wait -------------------------------------------------------------------------------------------------
+class DeviceHeld(RuntimeError):
+    """The device did not free the memory the job needs within the bound."""
+
+
+def wait_for_memory(need: int, free: Callable[[], int], held_by_me: int = 0, bound_s: float = 120.0,
+                    label: str = "the device", why: str = "") -> float:
+    """Wait until ``free() + held_by_me`` covers ``need`` bytes; returns the seconds waited. Says so in one line
+    when it waited; raises ``DeviceHeld`` (its message one line) when ``bound_s`` passed first."""
+    began = time.monotonic()
+    available = free() + held_by_me
+    if available >= need:
+        return 0.0
+    first = available
+    while time.monotonic() - began < bound_s:
+        time.sleep(POLL_S)
+        available = free() + held_by_me
+        if available >= need:
+            waited = time.monotonic() - began
+            log.warning("waited %.2f s for %s's memory: %.1f GiB free at first, %.1f GiB now; the job needs %.1f GiB "
+                        "(%s)", waited, label, first / GIB, available / GIB, need / GIB, why or "held by another process")
+            return waited
+    raise DeviceHeld(f"{label} still has only {available / GIB:.1f} GiB free after {bound_s:g} s (resiliency."
+                     f"device_wait_s); the job needs {need / GIB:.1f} GiB ({why or 'held by another process'}): "
+                     "something outside the job holds it, replace the node")
+
+
+def before_first_allocation(local_rank: int, bound_s: float, why: str) -> float:
+    """In a worker that takes over ``local_rank`` on a GPU, before its first allocation: waits for the memory its
+    predecessor recorded (``NeedRecord``). Returns the seconds waited (0: nothing recorded, nothing to wait for)."""
+    record = NeedRecord.from_environ(local_rank)
+    need = record.read() if record is not None else 0
+    if need <= 0:
+        return 0.0
+    free = nvml_free(local_rank) or cuda_free(local_rank)
+    if free is None:
+        log.warning("cannot read cuda:%d's free memory (no NVML, no CUDA context yet): starting without waiting for "
+                    "its predecessor's %.1f GiB", local_rank, need / GIB)
+        return 0.0
+    import torch
+
+    mine = torch.cuda.memory_reserved(local_rank) if torch.cuda.is_initialized() else 0  # a standby's own cache
+    return wait_for_memory(need, free, held_by_me=mine, bound_s=bound_s, label=f"cuda:{local_rank}", why=why)
+
+
+def after_inprocess_restart(device: object, local_rank: int, bound_s: float) -> float:
+    """At an in-process restart's re-entry of ``train()`` on a GPU: the memory this process caches counts as its own
+    (the failed attempt's tensors are freed by then); waits only where something else holds the rest."""
+    record = NeedRecord.from_environ(local_rank)
+    need = record.read() if record is not None else 0
+    if need <= 0 or getattr(device, "type", "") != "cuda":
+        return 0.0
+    import torch
+
+    mine = torch.cuda.memory_reserved(device)
+    return wait_for_memory(need, lambda: int(torch.cuda.mem_get_info(device)[0]), held_by_me=mine, bound_s=bound_s,
+                           label=f"cuda:{local_rank}", why="after an in-process restart")
+
+
+# --- children -------------------------------------------------------------------------------------------------
+def release_inherited_device_files(prefixes: tuple[str, ...] = DEVICE_FILE_PREFIXES) -> int:
+    """Point every descriptor of this process open on a file under ``prefixes`` at ``/dev/null`` (in a forked
+    child: ``install``); returns how many. ``/dev/null`` rather than a close: the CUDA library copied into the child
+    still believes in those numbers, and a closed number may be reused for another file."""
+    released = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    null = -1
+    for name in fds:
+        try:
+            fd = int(name)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except (ValueError, OSError):
+            continue
+        if not target.startswith(prefixes):
+            continue
+        if null < 0:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.dup2(null, fd, inheritable=False)
+            released += 1
+        except OSError:
+            pass
+    if null >= 0:
+        os.close(null)
+    return released
+
+
+_installed = False
+
+
+def install(prefixes: tuple[str, ...] = DEVICE_FILE_PREFIXES) -> None:
+    """From now on, every child forked from this process lets go of the device files it inherited (``prefixes``).
+    Once per process (a worker, before anything forks)."""
+    global _installed
+    if not _installed:
+        os.register_at_fork(after_in_child=lambda: release_inherited_device_files(prefixes))
+        _installed = True
