@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from trainer.planning import LAYERS, PlanError
+from trainer.planning.defaults import DEFAULTS
 from trainer.planning.failures import FailureModel
 
 NO_PERSIST = 1e12
@@ -111,8 +112,8 @@ class Cluster:
     gpus: int
     gpus_per_node: int = 8
     spare_nodes: int = 0
-    replacement_s: float = 600.0
-    """The time to get a replacement pod for a lost node (scheduling, image pull, start-up)."""
+    replacement_s: float = DEFAULTS["replacement_s"].value
+    """The time to get a replacement pod for a lost node (``defaults``: Kubernetes' eviction defaults)."""
 
     def check(self) -> None:
         if self.gpus_per_node < 1:
@@ -335,9 +336,10 @@ def booked(goodput: float, cluster: Cluster) -> float:
 def _all_holders_lost(lost_nodes: np.ndarray, replicas: int, nodes: int) -> np.ndarray:
     """The chance that the ``replicas`` holders of a node hit now, drawn among the other ``nodes - 1``, are all
     among the ``lost_nodes`` whose replicas are not copied again yet: C(lost, r) / C(nodes - 1, r)."""
-    p = np.ones_like(lost_nodes)
+    lost = np.minimum(lost_nodes, nodes - 1)  # a node lost twice in the window counts once
+    p = np.ones_like(lost)
     for i in range(replicas):
-        p = p * np.clip(lost_nodes - i, 0.0, None) / max(nodes - 1 - i, 1)
+        p = p * np.clip(lost - i, 0.0, None) / max(nodes - 1 - i, 1)
     return p
 
 
