@@ -65,13 +65,13 @@ def recommend(costs: Costs, cluster: Cluster, model: FailureModel, layers: Layer
                         persist_every=setting["persist_every"], days=days, trials=n, seed=seed)
 
     current = {"interval": costs.interval, "persist_every": costs.persist_every, "spares": cluster.spare_nodes,
-               "replicas": layers.replicas}
+               "replicas": layers.replicas if layers.peer_tier else 0}
     young = young_daly_interval(costs, model, cluster.gpus, layers)
     young_persist = young_daly_persist_every(costs, model, cluster.gpus, layers, young)
     grids = {"interval": sorted({costs.interval, *(max(1, round(young * f)) for f in INTERVAL_FACTORS)}),
              "persist_every": sorted({costs.persist_every, young_persist, *PERSIST_CANDIDATES} - {0}),
              "spares": sorted({cluster.spare_nodes, *SPARE_CANDIDATES}),
-             "replicas": list(REPLICA_CANDIDATES) if layers.peer_tier else [layers.replicas]}
+             "replicas": list(REPLICA_CANDIDATES) if layers.peer_tier else [0]}
     best, sweep_trials, seen = dict(current), max(32, trials // 2), {}
 
     def score(setting: dict[str, int]) -> float:
