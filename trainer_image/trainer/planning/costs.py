@@ -141,13 +141,15 @@ def _first(key: str, candidates: list[tuple[Measured, list[float] | None]]) -> t
 
 def _peer_copy(own: Measured, others: list[Measured]) -> tuple[float | None, dict[str, Any]]:
     """Per snapshot and replica, the peer tier's step-time cost: inside the run's own snapshot cost when it pushed
-    replicas; else the snapshot costs of two ledgers alike but for their replica count, apart; else the default."""
+    replicas; else the snapshot costs of two ledgers alike but for their replica count, apart (ledgers without a
+    restart first); else the default."""
     if own.replicas:
         return 0.0, {"kind": "measured", "from": f"inside snapshot_s: {own.label()} pushed {own.replicas} replica(s)"}
-    for on in others:
+    clean_first = sorted(others, key=lambda m: bool(m.recoveries))  # a run with no restart: every snapshot window
+    for on in clean_first:
         if not on.replicas or on.snapshot_s is None:
             continue
-        for off in others:
+        for off in clean_first:
             if off.replicas == 0 and off.snapshot_s is not None and \
                     (off.model, off.world_size, off.interval, off.device) == (on.model, on.world_size, on.interval,
                                                                               on.device):
