@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from components.lib.params import DEFAULTS as PIPELINE_DEFAULTS
+from testlib import REPO
 from trainer import plan
 from trainer.planning import LAYERS, failures
 from trainer.planning.band import band
 from trainer.planning.costs import from_run
 from trainer.planning.defaults import DEFAULTS
+from trainer.planning.ledgers import measure
 from trainer.planning.recommend import served_rates, young_daly_interval
 from trainer.planning.simulate import CONFIGURATIONS, Cluster, Costs, _all_holders_lost, simulate
 
@@ -162,10 +164,9 @@ def test_the_ablations_differ_where_they_must():
     per_fault = runs["no-node-local"].losses["recovery_injob"] / today.losses["recovery_injob"]
     assert per_fault == pytest.approx(48.0 / 10.0, rel=0.1)
     assert runs["no-inprocess"].losses["recovery_inprocess"] == 0.0
-    no_inprocess = dict(rates, inprocess=0.0)
-    assert simulate(costs, Cluster(1024), failures.llama3(), CONFIGURATIONS["no-inprocess"],
-                    **{**kw, "rates": no_inprocess}).goodput == \
-        simulate(costs, Cluster(1024), failures.llama3(), CONFIGURATIONS["today"], **{**kw, "rates": no_inprocess}).goodput
+    kw["rates"] = dict(rates, inprocess=0.0)  # no in-process fault: without in-process changes nothing
+    assert simulate(costs, Cluster(1024), failures.llama3(), CONFIGURATIONS["no-inprocess"], **kw).goodput == \
+        simulate(costs, Cluster(1024), failures.llama3(), CONFIGURATIONS["today"], **kw).goodput
 
 
 def test_young_daly_uses_the_faults_each_tier_serves():
@@ -218,7 +219,8 @@ def test_the_band_covers_the_rate_and_every_unmeasured_input(tmp_path):
         assert lo < base < hi, (key, lo, base, hi)
     assert result["both"]["goodput"][0] < result["rate"]["goodput"][0]
     measured = replace(costs, sources={k: {"kind": "measured"} for k in costs.sources})
-    assert band(measured, cluster, model, CONFIGURATIONS["today"], replacement_default=False, **kw)["unmeasured"] is None
+    every = band(measured, cluster, model, CONFIGURATIONS["today"], replacement_default=False, **kw)
+    assert every["unmeasured"] is None
 
 
 def test_the_pipelines_replacement_default_is_the_planners():
@@ -228,3 +230,13 @@ def test_the_pipelines_replacement_default_is_the_planners():
 def test_every_layer_and_input_has_a_documented_default():
     assert {f"recovery_{x}" for x in LAYERS} <= set(DEFAULTS)
     assert all(d.source and d.measure for d in DEFAULTS.values())
+
+
+def test_the_two_node_harness_ledgers_measure_a_node_loss_and_the_peer_tier():
+    """The trainer's own records, as ``bench/peer_nodes.py`` left them (two CPU nodes; BENCHMARKS.md 2026-12-07): the
+    start record's replica count, the summary's replica pushes, a node loss restored from a peer and one from disk."""
+    runs = REPO / "bench" / "results" / "2026-12-07-planner" / "cpu-peer-nodes"
+    peer, disk = measure(runs / "2-lost-rauto", own=False), measure(runs / "3-lost-r0", own=False)
+    assert (peer.replicas, disk.replicas) == (1, 0) and peer.replica_push_s > 0 and disk.replica_push_s is None
+    assert set(peer.recoveries) == {"node_peer"} and set(disk.recoveries) == {"node"}
+    assert disk.restores["persistent"] and "persistent" not in peer.restores

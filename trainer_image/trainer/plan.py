@@ -186,18 +186,18 @@ def report(out: dict[str, Any]) -> str:
         if name in out:
             rec = out[name]
             tiers = rec["faults_per_day_by_tier"]
-            lines.append(f"{name.replace('_', ' ')} (Young/Daly on the faults each tier serves: {rec['young_daly_interval']}"
-                         f" steps for memory, {tiers['memory']:.2f}/day; persist_every {rec['young_daly_persist_every']}"
-                         f" for the persistent tier, {tiers['persistent']:.2f}/day):")
+            lines.append(f"{name.replace('_', ' ')} (Young/Daly on the faults each tier serves: "
+                         f"{rec['young_daly_interval']} steps for memory, {tiers['memory']:.2f}/day; persist_every "
+                         f"{rec['young_daly_persist_every']} for the persistent tier, {tiers['persistent']:.2f}/day):")
             for which in ("current", "recommended"):
                 s = rec[which]
                 both = s.get("band", {}).get("both", {}).get("goodput_per_booked_gpu")
+                verdict = "" if not both else "reaches" if both[0] >= GOAL else \
+                    "not sure to reach" if both[1] >= GOAL else "misses"
                 lines.append(f"  {which:<12} interval {s['interval']}, persist_every {s['persist_every']}, "
                              f"spares {s['spares']}, replicas {s['replicas']}: goodput {s['goodput']:.4f} "
                              f"±{s['ci95']:.4f}, per booked GPU {s['goodput_per_booked_gpu']:.4f}"
-                             + (f" (band {both[0]:.4f}-{both[1]:.4f}: "
-                                f"{'reaches' if both[0] >= GOAL else 'not sure to reach' if both[1] >= GOAL else 'misses'}"
-                                f" {GOAL})" if both else ""))
+                             + (f" (band {both[0]:.4f}-{both[1]:.4f}: {verdict} {GOAL})" if both else ""))
     if "chart" in out:
         lines.append(f"chart: {out['chart']['png']}")
     if "replay" in out:

@@ -37,7 +37,8 @@ def scaled(costs: Costs, cluster: Cluster, names: list[str], factor: float, inte
         elif name == "peer_lag_s":
             changes[name] = costs.lag_s(interval) * factor
         elif name == "peer_restore_s":
-            changes[name] = (costs.recovery_s["node"] if costs.peer_restore_s is None else costs.peer_restore_s) * factor
+            restore = costs.recovery_s["node"] if costs.peer_restore_s is None else costs.peer_restore_s
+            changes[name] = restore * factor
         elif name != "replacement_s":
             changes[name] = getattr(costs, name) * factor
     out = replace(costs, recovery_s=recovery, **changes)

@@ -2,7 +2,8 @@
 (``simulate.CONFIGURATIONS``), from one run's costs, as a table and a PNG drawn with Pillow.
 
 Every configuration runs the costs' snapshot interval and ``persist_every`` and the spare nodes the user asked for
-(``--spares``) at the cluster's size; at the other sizes, the same share of the nodes, rounded up. ``spares_for`` is a suggestion the report prints as one, never applied:
+(``--spares``) at the cluster's size; at the other sizes, the same share of the nodes, rounded up. ``spares_for`` is
+a suggestion the report prints as one, never applied:
 ``SUGGESTED_SPARES_PER_100_NODES`` per 100 nodes, at least one."""
 
 from __future__ import annotations

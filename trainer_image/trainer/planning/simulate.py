@@ -194,7 +194,8 @@ def _done(e: np.ndarray, tau: float, c: float, m: float, o: float) -> np.ndarray
 
 
 def persist_cycles(costs: Costs, interval: int, persist_every: int, c: float) -> float:
-    """Snapshots between persisted writes: ``persist_every``, or more when a write outlasts them (the writer is busy)."""
+    """Snapshots between persisted writes: ``persist_every``, or more when a write outlasts them (the writer is
+    busy)."""
     if persist_every <= 0:
         return NO_PERSIST
     cycle = interval * costs.step_s + c
