@@ -17,6 +17,7 @@ from testlib import REPO
 from trainer import plan
 from trainer.planning import LAYERS, failures
 from trainer.planning.band import band
+from trainer.planning.chart import curves
 from trainer.planning.costs import from_run
 from trainer.planning.defaults import DEFAULTS
 from trainer.planning.ledgers import measure
@@ -240,3 +241,10 @@ def test_the_two_node_harness_ledgers_measure_a_node_loss_and_the_peer_tier():
     assert (peer.replicas, disk.replicas) == (1, 0) and peer.replica_push_s > 0 and disk.replica_push_s is None
     assert set(peer.recoveries) == {"node_peer"} and set(disk.recoveries) == {"node"}
     assert disk.restores["persistent"] and "persistent" not in peer.restores
+
+
+def test_the_chart_keeps_the_users_share_of_spares_at_every_size():
+    costs = node_costs()
+    data = curves(costs, Cluster(16384, spare_nodes=64), failures.llama3(), sizes=(1024, 16384), days=1, trials=4)
+    assert [p["spares"] for p in data["today"]] == [4, 64]
+    assert all(p["goodput_per_booked_gpu"] < p["goodput"] for p in data["peer"])

@@ -2,7 +2,7 @@
 (``simulate.CONFIGURATIONS``), from one run's costs, as a table and a PNG drawn with Pillow.
 
 Every configuration runs the costs' snapshot interval and ``persist_every`` and the spare nodes the user asked for
-(``--spares``) at the cluster's size; at the other sizes, the same share of the nodes, rounded up. ``spares_for`` is
+(``--spares``) at the cluster's size; at the other sizes, the same share of the nodes, rounded. ``spares_for`` is
 a suggestion the report prints as one, never applied:
 ``SUGGESTED_SPARES_PER_100_NODES`` per 100 nodes, at least one."""
 
@@ -41,7 +41,7 @@ def curves(costs: Costs, cluster: Cluster, model: FailureModel, *, sizes: tuple[
         for gpus in sizes:
             if gpus < cluster.gpus_per_node:
                 continue
-            at = replace(cluster, gpus=gpus, spare_nodes=math.ceil(cluster.spare_nodes * gpus / cluster.gpus))
+            at = replace(cluster, gpus=gpus, spare_nodes=round(cluster.spare_nodes * gpus / cluster.gpus))
             result = simulate(costs, at, model, layers, days=days, trials=trials, seed=seed)
             points.append({"gpus": gpus, "goodput": round(result.goodput, 4), "ci95": round(result.ci95, 4),
                            "goodput_per_booked_gpu": round(result.goodput_per_booked_gpu, 4),
