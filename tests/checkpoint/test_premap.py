@@ -115,7 +115,7 @@ def test_stop_ends_after_the_chunk_being_locked_and_a_refusal_ends_the_thread(tm
 
 def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_once(tmp_path, pg, driver, caplog):
     state = make_state()
-    mgr = manager(tmp_path, persist_every=0)
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)  # two steps saved: two slot files
     save_two_steps(mgr, state)
     expected = snapshot(state)
     files = mgr.snapshot_files()
@@ -130,7 +130,7 @@ def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_o
     mapper.paths.append(str(other))
     mapper.refresh(str(other))
     others = list(premap._REGISTRY[str(other)].chunks)
-    respawned = manager(tmp_path)
+    respawned = manager(tmp_path, memory_slots=2)
     try:
         restored = make_state(seed=7)
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
