@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
-    """~0.5M tokens from the first stdlib files; vocab 2048. Built once per test session."""
+    """~0.5M tokens from the first stdlib files; vocab 2048. Built once per pytest session."""
     from components.lib.tokendata import build_dataset, default_corpus
 
     out = tmp_path_factory.mktemp("data") / "stdlib"

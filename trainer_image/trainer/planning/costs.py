@@ -179,7 +179,7 @@ def _write_overhead(writes: list[dict[str, Any]], metrics: list[dict[str, Any]],
 
 def from_figures(path: str | Path, overrides: dict[str, Any] | None = None) -> Costs:
     """Costs from a GPU goodput run's figure lines (``bench/figures.py goodput``: ``goodput_strict`` and ``recovery``
-    lines, as BENCHMARKS.md quotes them): step = the fault-free step time, snapshot = its mean cost, persisted write =
+    lines, as BENCHMARKS.md, "Goodput", links them): step = the fault-free step time, snapshot = its mean cost, persisted write =
     the final save (one state; its background write's own time is not in those lines), no write slowdown measured."""
     lines = read_jsonl(Path(path))
     strict = next((r for r in lines if r.get("figure") == "goodput_strict"), None)
