@@ -4,12 +4,12 @@ Every shell block (```bash) is split into commands (continuation lines joined, `
 own, ``;``, ``&&``, ``|`` and ``&`` between them). For each command, what it names must exist here: a make target
 and the make variables it sets (the Makefile); a file or directory of the repository; a module (``python -m X``);
 a flag of our own CLIs (their ``--help``, run in this process; the trainer's keys from ``python -m trainer
---help-config``); a flag of one of our scripts (its source); an environment variable it sets (the project's code
-reads it, or the same page uses it; ``TRAINER_*``, ``FT_*`` and ``PET_*`` knobs must be read by the trainer's image
-or a benchmark script).
+--help-config``, and a trainer command's whole configuration through the trainer's own parsing and validation); a
+flag of one of our scripts (its source); an environment variable it sets (the project's code reads it, or the same
+page uses it; ``TRAINER_*``, ``FT_*`` and ``PET_*`` knobs must be read by the trainer's image or a benchmark script).
 Commands with ``--help`` or ``--help-config`` are run; the rest (they train, build images, call a cluster) are
 checked by name. The prose is checked too: every relative link, every path in backticks that names a file of the
-repository, every ``make`` target and every trainer key (``section.key``) in backticks.
+repository, every ``make`` target, trainer key (``section.key``) and knob in backticks.
 """
 
 from __future__ import annotations
@@ -214,6 +214,23 @@ def trainer_flag_problems(args: list[str]) -> list[str]:
     return problems
 
 
+def trainer_config_problems(args: list[str]) -> list[str]:
+    """A trainer command's flags and values, as its own parsing and validation take them (nothing runs)."""
+    problems = trainer_flag_problems(args)
+    if problems or any("$" in arg for arg in args):
+        return problems
+    from trainer.config import ConfigError, parse_args
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            parse_args(args)
+    except ConfigError as exc:
+        return [f"the trainer refuses it: {exc}"]
+    except SystemExit:
+        return [f"the trainer refuses it: {err.getvalue().strip()}"]
+    return []
+
+
 def module_problems(module: str, args: list[str]) -> list[str]:
     sys.path[:0] = [p for p in (str(REPO), str(REPO / "trainer_image")) if p not in sys.path]
     try:
@@ -225,7 +242,7 @@ def module_problems(module: str, args: list[str]) -> list[str]:
     if module.split(".", 1)[0] not in OUR_PACKAGES:
         return []
     if module == "trainer":
-        return trainer_flag_problems(args)
+        return trainer_config_problems(args)
     subcommand = args[0] if module == "pipelines.cli" and args and not args[0].startswith("-") else ""
     if subcommand == "plan":  # pipelines.cli plan passes its arguments to the planner
         module, subcommand, args = "trainer.plan", "", args[1:]
@@ -246,7 +263,7 @@ def script_problems(script: Path, args: list[str]) -> list[str]:
         return [f"{script.relative_to(REPO)}: no such file"]
     source = script.read_text()
     if script.name == "entrypoint.sh":
-        return trainer_flag_problems(args)
+        return trainer_config_problems(args)
     problems = []
     for flag in flags(args):
         if "." in flag and flag[2:].split(".", 1)[0] in SECTIONS:
