@@ -10,9 +10,13 @@ from components.lib.params import DEFAULT_IMAGE
 def evaluate_checkpoint(
     checkpoint: Input[Model], dataset: Input[Dataset], run_id: str, workdir: str, model: str,
     promoted_registry: str, eval_batch_size: int, eval_max_batches: int, min_improvement: float,
+    spare_nodes: int, gpus_per_node: int, replacement_pod_s: float,
     metrics: Output[Metrics], report: Output[HTML], decision: Output[Artifact],
 ) -> bool:
     """Evaluate the newest valid checkpoint on the validation split; gate its promotion.
+
+    The report projects the run's goodput at scale with the run's own spare nodes, GPUs per node (8 for a CPU run)
+    and ``replacement_pod_s`` (``components.lib.planning``).
 
     Returns True when it beats the promoted model (compared on the same tokenizer and validation data).
     ``decision`` holds, as JSON, the ``reason``, the ``candidate`` record ``promote`` writes and the
@@ -30,7 +34,8 @@ def evaluate_checkpoint(
     outcome = evaluate_and_gate(
         checkpoint=checkpoint.metadata, dataset=dataset.metadata, registry=registry, run_id=run_id,
         eval_dir=RunLayout(workdir, run_id).eval_dir, batch_size=eval_batch_size, max_batches=eval_max_batches,
-        min_improvement=min_improvement)
+        min_improvement=min_improvement,
+        planning={"spares": spare_nodes, "gpus_per_node": gpus_per_node, "replacement_s": replacement_pod_s})
     r, d = outcome.result, outcome.decision
     for name in ("val_loss", "perplexity", "step", "val_tokens"):
         metrics.log_metric(name, float(r[name]))

@@ -17,7 +17,7 @@ def train(
     step_image_pull_secret: str, node_selector: dict,
     tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,
     eval_max_batches: int, eval_cpu: str, eval_memory: str, eval_gpus: int, promoted_registry: str,
-    min_improvement: float, deadline_hours: float,
+    min_improvement: float, replacement_pod_s: float, deadline_hours: float,
     run_id: str, dataset: Input[Dataset], checkpoint: Output[Model], metrics: Output[Metrics],
 ):
     """Train (or resume) this run's model; ``checkpoint`` points at the run's checkpoint directory.

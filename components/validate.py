@@ -16,7 +16,7 @@ def validate_params(
     step_image_pull_secret: str, node_selector: dict,
     tolerations: list, launcher_node_selector: dict, trainer_overrides: list, eval_batch_size: int,
     eval_max_batches: int, eval_cpu: str, eval_memory: str, eval_gpus: int, promoted_registry: str,
-    min_improvement: float, deadline_hours: float, compiled_version: str, compiled_pull_secrets: list,
+    min_improvement: float, replacement_pod_s: float, deadline_hours: float, compiled_version: str, compiled_pull_secrets: list,
 ) -> str:
     """Check every pipeline parameter (``components.lib.params``) and that the image was built from the version
     the pipeline was compiled from (``components.lib.version``); return a one-line summary of the run."""

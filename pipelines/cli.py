@@ -5,7 +5,8 @@
         --param model=1b --param nodes=2 --param gpus_per_node=8 --param steps=20000
     python -m pipelines.cli schedule --host "$KFP_HOST" --namespace "$NAMESPACE" --package pipeline.yaml \\
         --cron '0 0 3 * * *' --name nightly-train --param init_from=promoted
-    python -m pipelines.cli plan --run RUN_DIR --gpus 16384 --recommend --chart goodput.png
+    python -m pipelines.cli plan --run RUN_DIR --gpus 16384 --spares 4 --recommend --chart goodput.png
+    python -m pipelines.cli plan --run RUN_DIR --measured NODE_LOSS_RUN --gpus 16384   # another run's ledger too
 
 Parameters are validated here (``components.lib.params``) before anything is submitted. Runs use the
 profile's service account ``default-editor``, to which ``deploy/base/rbac.yaml`` binds the launcher's

@@ -143,6 +143,7 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
         eval_gpus: int = DEFAULTS.eval_gpus,
         promoted_registry: str = DEFAULTS.promoted_registry,
         min_improvement: float = DEFAULTS.min_improvement,
+        replacement_pod_s: float = DEFAULTS.replacement_pod_s,
         deadline_hours: float = DEFAULTS.deadline_hours,
     ):
         params = {k: v for k, v in locals().items() if k in PipelineParams.__dataclass_fields__}
@@ -185,7 +186,8 @@ def make_pipeline(retry: RetryPolicy, name: str = PIPELINE_NAME, build: Build = 
                 checkpoint=trained.outputs["checkpoint"], dataset=data.outputs["dataset"], run_id=run_id,
                 workdir=workdir, model=model, promoted_registry=promoted_registry,
                 eval_batch_size=eval_batch_size, eval_max_batches=eval_max_batches,
-                min_improvement=min_improvement))
+                min_improvement=min_improvement, spare_nodes=spare_nodes, gpus_per_node=gpus_per_node,
+                replacement_pod_s=replacement_pod_s))
             gate.set_caching_options(False).set_display_name("evaluate checkpoint")
             # Limits too: a profile namespace with a ResourceQuota on limits refuses a pod without them.
             gate.set_cpu_request(eval_cpu).set_memory_request(eval_memory)

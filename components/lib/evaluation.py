@@ -242,11 +242,12 @@ class EvalOutcome:
 
 def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, Any], registry: str, run_id: str,
                       eval_dir: str | Path, batch_size: int, max_batches: int, min_improvement: float,
-                      out: TextIO | None = None) -> EvalOutcome:
+                      out: TextIO | None = None, planning: Mapping[str, Any] | None = None) -> EvalOutcome:
     """Evaluate the run's checkpoint, decide promotion, and render the HTML report.
 
     ``checkpoint`` and ``dataset`` are the Model and Dataset artifacts' metadata (checkpoint_dir, run_dir,
-    step, model; data_dir, tokenizer_sha256, val_sha256).
+    step, model; data_dir, tokenizer_sha256, val_sha256). ``planning``: the goodput planner's cluster settings
+    (``spares``, ``gpus_per_node``, ``replacement_s``: ``components.lib.planning.plan_command``).
     """
     from components.lib.planning import CHART_FILE, plan_for_report
     from components.lib.report import read_jsonl, render_report, summarize_ledger
@@ -270,7 +271,8 @@ def evaluate_and_gate(*, checkpoint: Mapping[str, Any], dataset: Mapping[str, An
     metrics, _ = read_jsonl(run_dir / "metrics.jsonl")
     ledger, bad = read_jsonl(run_dir / "recovery.jsonl")
     candidate["goodput"] = summarize_ledger(ledger)["goodput"]  # None when the ledger has no timing
-    plan, plan_note = plan_for_report(run_dir, eval_dir / "planner")  # a planner failure is a note, not a failure
+    # a planner failure is a note, not a failure
+    plan, plan_note = plan_for_report(run_dir, eval_dir / "planner", **dict(planning or {}))
     planning = (plan, _read_bytes(eval_dir / "planner" / CHART_FILE)) if plan else None
     html_text = render_report(
         title=f"Training run {run_id}: {result['model']} at step {result['step']}",

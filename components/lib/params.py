@@ -212,6 +212,12 @@ class PipelineParams:
     Kubeflow Model Registry address https://HOST[:PORT][/MODEL_NAME] (name default resilient-train-<model>)."""
     min_improvement: float = 0.0
     """Promote only when val loss beats the promoted model's by more than this."""
+    replacement_pod_s: float = 350.0
+    """Seconds a replacement pod for a lost node takes, for the report's goodput projection (the evaluation step's
+    planner, with spare_nodes). Default 350 s, the planner's documented default: Kubernetes' defaults mark a lost
+    node unreachable after node-monitor-grace-period (50 s since 1.32, 40 s before) and evict its pods after the
+    default toleration of 300 s (DefaultTolerationSeconds); scheduling and the image pull are not in it (a lower
+    bound). Set it to what your cluster measured."""
     deadline_hours: float = 168.0
     """Training wall-clock limit (the PyTorchJob's activeDeadlineSeconds; the local launcher's deadline)."""
 
@@ -254,6 +260,9 @@ class PipelineParams:
                      "lower checkpoint_interval or raise steps")
         if not isinstance(self.min_improvement, (int, float)) or self.min_improvement < 0:
             e.append(f"min_improvement must be >= 0 (a val-loss margin); got {self.min_improvement!r}")
+        if isinstance(self.replacement_pod_s, bool) or not isinstance(self.replacement_pod_s, (int, float)) or \
+                not 0 <= self.replacement_pod_s < math.inf:
+            e.append(f"replacement_pod_s must be a number of seconds >= 0; got {self.replacement_pod_s!r}")
         if not isinstance(self.deadline_hours, (int, float)) or not 0 < self.deadline_hours <= MAX_DEADLINE_HOURS:
             e.append(f"deadline_hours must be in (0, {MAX_DEADLINE_HOURS}]; got {self.deadline_hours!r}")
         if self.model not in FLAVOURS and not self.model.endswith(".toml"):

@@ -426,29 +426,37 @@ background:#f4f8ff;border-left:4px solid #36c}.legend span{display:inline-block;
 
 PLAN_GOAL = 0.95
 PLAN_LOSSES = (("recoveries", ("recovery_inprocess", "recovery_injob", "recovery_node", "recovery_cluster")),
-               ("steps redone", ("redone",)), ("snapshots", ("snapshots",)), ("persisted writes", ("persist",)),
-               ("waiting for a node", ("waiting_for_node",)))
+               ("steps redone", ("redone",)), ("snapshots", ("snapshots",)), ("peer copies", ("peer_copies",)),
+               ("persisted writes", ("persist",)), ("waiting for a node", ("waiting_for_node",)))
 
 
 def planning_html(plan: Mapping[str, Any], png: bytes | None = None) -> str:
-    """The goodput planner's projection (``components.lib.planning``): a table per configuration with the losses and
-    the distance from the goal, the recommended settings, and the chart (an inline PNG)."""
+    """The goodput planner's projection (``components.lib.planning``): a table per configuration with the losses, the
+    goodput per booked GPU (spares included) with its band and the distance from the goal, the recommended settings,
+    every input with where it came from (measured by which ledger, or a default and the command that measures it),
+    and the chart (an inline PNG)."""
     cluster, model = plan.get("cluster", {}), plan.get("failure_model", {})
     names = plan.get("configuration_names", {})
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("configuration", "goodput", "95 % interval", "spares",
-                                                          *(n for n, _ in PLAN_LOSSES), f"vs goal {PLAN_GOAL:.2f}"))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in (
+        "configuration", "goodput", "95 % interval", "per booked GPU", "band (rate, defaults)", "spares",
+        *(n for n, _ in PLAN_LOSSES), f"vs goal {PLAN_GOAL:.2f}"))
     rows = []
     for key, r in (plan.get("configurations") or {}).items():
         goodput, losses = _num(r.get("goodput")) or 0.0, r.get("losses") or {}
-        cells = [names.get(key, key), f"{goodput:.2%}", f"±{_num(r.get('ci95')) or 0:.2%}", str(r.get("spares")),
+        per_booked = _num(r.get("goodput_per_booked_gpu")) or 0.0
+        ends = ((r.get("band") or {}).get("both") or {}).get("goodput_per_booked_gpu") or [0.0, 0.0]
+        cells = [names.get(key, key), f"{goodput:.2%}", f"±{_num(r.get('ci95')) or 0:.2%}", f"{per_booked:.2%}",
+                 f"{ends[0]:.2%} to {ends[1]:.2%}", str(r.get("spares")),
                  *(f"{sum(_num(losses.get(x)) or 0.0 for x in keys):.2%}" for _, keys in PLAN_LOSSES),
-                 f"{100 * (goodput - PLAN_GOAL):+.2f} points"]
+                 f"{100 * (per_booked - PLAN_GOAL):+.2f} points"]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    out = [f"<p>Projected from this run's own measured costs at {cluster.get('gpus', 0):,} GPUs "
-           f"({cluster.get('spare_nodes', 0)} spare nodes, a replacement pod in "
-           f"{cluster.get('replacement_s', 0):.0f} s), "
+    out = [f"<p>Projected from this run's costs at {cluster.get('gpus', 0):,} GPUs "
+           f"({cluster.get('spare_nodes', 0)} spare nodes, this run's; suggested: {plan.get('suggested_spares')}; "
+           f"a replacement pod in {cluster.get('replacement_s', 0):.0f} s), "
            f"failure model {html.escape(str(model.get('name')))} (MTBF {model.get('mtbf_h')} h at this size; "
-           f"{html.escape(str(model.get('source')))}). Losses are shares of wall time.</p>",
+           f"{html.escape(str(model.get('source')))}). Losses are shares of wall time; per booked GPU counts the "
+           "spares as booked and idle; the band spans the failure rate's 95 % Poisson interval and every unmeasured "
+           "input x0.5 to x1.5.</p>",
            f"<table><tr>{head}</tr>{''.join(rows)}</table>"]
     rec = (plan.get("recommendation") or {})
     for which in ("current", "recommended"):
@@ -457,12 +465,26 @@ def planning_html(plan: Mapping[str, Any], png: bytes | None = None) -> str:
             out.append(f"<p>{which}: snapshot every {s.get('interval')} steps, persist every {s.get('persist_every')}, "
                        f"{s.get('spares')} spare nodes: goodput {s.get('goodput'):.2%} "
                        f"(per booked GPU {s.get('goodput_per_booked_gpu'):.2%})</p>")
+    out.append(_planning_inputs(plan.get("inputs") or []))
     for note in (plan.get("costs") or {}).get("notes", []):
         out.append(f'<p class="empty">{html.escape(str(note))}</p>')
     if png:
-        out.append(f'<img alt="goodput against the number of GPUs per configuration" width="900" '
+        out.append(f'<img alt="goodput per booked GPU against the number of GPUs per configuration" width="900" '
                    f'src="data:image/png;base64,{base64.b64encode(png).decode()}">')
     return "".join(out)
+
+
+def _planning_inputs(inputs: Sequence[Mapping[str, Any]]) -> str:
+    """Which of the planner's inputs were measured (and by which ledger), given, or defaulted (with the command that
+    would measure them)."""
+    rows = []
+    for row in inputs:
+        value = _num(row.get("value"))
+        cells = [str(row.get("input")), "derived" if value is None else f"{value:.4g} s", str(row.get("kind")),
+                 str(row.get("from")) + (f"; measure it: {row['measure']}" if row.get("measure") else "")]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("input", "value", "measured?", "from"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>" if rows else ""
 
 
 def render_report(*, title: str, metrics: Sequence[Mapping[str, Any]], ledger: Sequence[Mapping[str, Any]],

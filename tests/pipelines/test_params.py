@@ -42,6 +42,7 @@ def test_steps_must_exceed_checkpoint_interval():
     ({"faults": "2:10:sigkill"}, "rank must be < the world size (2"),
     ({"faults": "0:10:exception", "inprocess_restart": False}, "set inprocess_restart=True"),
     ({"model": "13b"}, "model must be one of ['tiny', '1b', '8b']"),
+    ({"replacement_pod_s": -1.0}, "replacement_pod_s must be a number of seconds >= 0"),
     ({"backend": "slurm"}, "backend must be one of"),
     ({"vocab_size": 100}, "vocab_size must be 257.."),
     ({"trainer_overrides": ["--train.run_dir=/x"]}, "sets a key the pipeline controls"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from components.lib.params import DEFAULTS
 from components.lib.planning import CHART_FILE, plan_for_report
 from components.lib.report import render_report
 from pipelines import cli
@@ -42,3 +43,19 @@ def test_cli_plan_passes_its_arguments_and_exit_code(capfd):
     assert "smaller than one node" in capfd.readouterr().err
     assert cli.main(["plan", "--run", str(DEMO_RUN), *SETTINGS, "--gpus", "64", "--trials", "4", "--days", "2"]) == 0
     assert "today's layers" in capfd.readouterr().out
+
+
+def test_the_evaluation_plans_with_the_runs_spares_and_says_which_inputs_were_measured(tmp_path):
+    """The run's spare nodes and the pipeline's replacement_pod_s reach the planner: the pipeline default stays the
+    planner's documented default (varied in its band), another value is given; the report lists every input."""
+    plan, note = plan_for_report(DEMO_RUN, tmp_path / "a", gpus=1024, trials=4, extra=SETTINGS, spares=3,
+                                 gpus_per_node=4, replacement_s=DEFAULTS.replacement_pod_s)
+    assert note is None and plan["cluster"]["spare_nodes"] == 3 and plan["cluster"]["gpus_per_node"] == 4
+    assert {r["spares"] for r in plan["configurations"].values()} == {3}
+    kinds = {r["input"]: r["kind"] for r in plan["inputs"]}
+    assert kinds["replacement_s"] == "default" and kinds["recovery_node"] == "measured"
+    page = render_report(title="t", metrics=[], ledger=[], planning=(plan, None))
+    assert "measured?" in page and re.search(r"<td>replacement_s</td><td>350 s</td><td>default</td>", page)
+    given, _ = plan_for_report(DEMO_RUN, tmp_path / "b", gpus=1024, trials=4, extra=SETTINGS, replacement_s=120.0)
+    row = next(r for r in given["inputs"] if r["input"] == "replacement_s")
+    assert (row["kind"], row["value"]) == ("given", 120.0) and given["cluster"]["gpus_per_node"] == 8

@@ -136,3 +136,30 @@ def test_without_the_hook_the_child_would_hold_them(tmp_path):
         assert str(stand_in) in held
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's CUDA OOM (``classify`` matches class names): a CPU stand-in for one."""
+
+
+def test_an_oom_before_the_models_first_step_is_exit_2_and_after_it_a_fault_to_restart(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from trainer import resiliency
+    from trainer.exitcodes import TrainerExit
+
+    def oom(res, store, layers):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setenv(device.DEVICE_DIR_ENV, str(tmp_path))
+    layers = resiliency.Layers.null()
+    layers.device_need = device.NeedRecord.from_environ(0)
+    res = SimpleNamespace(device="cuda:0")
+    with pytest.raises(TrainerExit) as err:  # no worker of this local rank ever completed a step: it never fit
+        resiliency._call(oom, res, None, layers)
+    assert err.value.exit_code == ExitCode.CONFIG_ERROR and "\n" not in err.value.reason
+    assert "does not fit on cuda:0" in err.value.reason and "train.batch_size" in err.value.reason
+    device.NeedRecord(tmp_path, 0).note(40 * GIB, 80 * GIB)  # a worker before this one ran its first step
+    with pytest.raises(OutOfMemoryError) as raised:  # the in-process layer restarts it; else exit 207, in-job
+        resiliency._call(oom, res, None, layers)
+    assert classify(raised.value) == ExitCode.DEVICE_OUT_OF_MEMORY

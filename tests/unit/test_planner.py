@@ -132,6 +132,9 @@ def write_ledger(run: Path, records: list[dict], steps: int = 40) -> Path:
     ("missing rate", ["--costs", "{costs}", "--failure-model", "{missing}"], "per_gpu_hour\" is missing"),
     ("smaller than a node", ["--costs", "{costs}", "--gpus", "4"], "smaller than one node"),
     ("negative cost", ["--costs", "{costs}", "--cost", "snapshot_s=-1"], "snapshot_s must be a number of seconds >= 0"),
+    ("unknown cost", ["--run", "{run}", "--cost", "recovery_nod=5"], "--cost recovery_nod: not an input"),
+    ("missing extra ledger", ["--run", "{run}", "--measured", "{run}/x"], "x/recovery.jsonl does not exist"),
+    ("negative spares", ["--costs", "{costs}", "--spares", "-1"], "--spares must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, args, expected):
     run = write_ledger(tmp_path / "run", [{"event": "start", "time": 1000.0, "rank": 0}])

@@ -127,13 +127,18 @@ def test_benchmarks_commits_exist():
 
 
 def test_raw_lines_back_a_row_and_large_ones_are_compressed():
-    """bench/results/<table>/<card>-<date>-<commit>/: each such directory is linked from a row of BENCHMARKS.md (what
-    no figure shows any more leaves; git keeps it), and every file over RAW_MAX_BYTES is gzipped."""
+    """bench/results/<table>/<card>-<date>-<commit>/: each such directory (a run's own files may lie deeper in it) is
+    linked from BENCHMARKS.md (what no figure shows any more leaves; git keeps it), and every file over RAW_MAX_BYTES
+    is gzipped."""
     text = BENCHMARKS.read_text()
-    linked = {str(Path(target).parent) for target in LINK.findall(text) if target.startswith(RESULTS)}
+    linked = {Path(*Path(target).parts[:4]) for target in LINK.findall(text) if target.startswith(RESULTS)}
     names = [n for n in tracked() if n.startswith(RESULTS)]
-    runs = {str(Path(n).parent) for n in names}
-    assert all(len(Path(run).parts) == 4 for run in runs), sorted(r for r in runs if len(Path(r).parts) != 4)
+    runs = {Path(*Path(n).parts[:4]) for n in names}
+    loose = sorted(n for n in names if len(Path(n).parts) < 5)
+    assert not loose, f"raw lines outside a bench/results/<table>/<card>-<date>-<commit>/ directory: {loose}"
+    named = re.compile(r"(h100|h200|cpu)-\d{4}-\d{2}-\d{2}-[0-9a-f]{7,40}")
+    wrong = sorted(str(r) for r in runs if not named.fullmatch(r.name))
+    assert not wrong, f"a run directory is named <card>-<date>-<commit> (h100, h200 or cpu): {wrong}"
     unbacked = sorted(runs - linked)
     assert not unbacked, f"raw lines no row of BENCHMARKS.md links (delete them, or link them): {unbacked}"
     large = [n for n in names if (REPO / n).stat().st_size > RAW_MAX_BYTES and not n.endswith(".gz")]

@@ -333,7 +333,8 @@ def _steps(
              "params": count_params(cfg.model), "tokens_per_step": tokens_per_step, "accumulation": accum,
              "model": cfg.model.name,
              "checkpoint": {"interval": cfg.checkpoint.interval, "persist_every": cfg.checkpoint.persist_every,
-                            "node_local": cfg.checkpoint.node_local}}  # read by the planner (trainer.planning.costs)
+                            "node_local": cfg.checkpoint.node_local,  # read by the planner (trainer.planning.ledgers)
+                            "replicas": checkpointer.replicas.count if checkpointer.replicas is not None else 0}}
         )
     else:
         res.metrics.log({"event": "resume", "step": progress.step, "world_size": env.world_size,
@@ -410,6 +411,8 @@ def _steps(
         "wall_time_s": time.time() - res.started_at,
         "world_size": env.world_size,
         "snapshot_blocking": checkpointer.blocking_figures(),  # this process's memory checkpoints, host-thread time
+        # the peer tier's newest pushes to every holder (the planner's replica lag, trainer.planning.ledgers)
+        "replica_push": checkpointer.replicas.push_figures() if checkpointer.replicas is not None else None,
     }
     res.metrics.log(summary)
     ft.on_train_end(progress.step)  # FT: ledger summary (goodput)

@@ -274,6 +274,13 @@ class Replicator:
             log.warning("checkpoint.replicas=%s, but the job has %d other node(s): %d replica(s) per snapshot",
                         self.setting, len(set(self.nodes)) - 1, self.count)
 
+    def push_figures(self) -> dict[str, Any] | None:
+        """This rank's newest pushes (``pushed``): count, mean and max seconds; None before the first."""
+        if not self.pushed:
+            return None
+        values = list(self.pushed.values())
+        return {"count": len(values), "mean_s": round(sum(values) / len(values), 4), "max_s": round(max(values), 4)}
+
     def node_of(self, rank: int) -> str:
         return self.nodes[rank].split("/")[0] if rank < len(self.nodes) else "?"
 
