@@ -37,13 +37,13 @@ $(STAMP): pyproject.toml Makefile
 # CI never passes vacuously (with PYTEST_ARGS naming tests, some parts may collect none).
 # Two more workers than CPUs: much of the single-process tests' time is waiting (stub API servers and the launcher's
 # polls against them, checkpoint writer processes), which spare workers fill, the longest tests first
-# (tests/conftest.py). On 2 cores, the part alone: 98 s on 3 workers, 85-93 s on 4, 89 s on 5, 101 s on 6; inside
-# `make test` 106-113 s on 4 against 111-114 s on 3 (with 7 tests fewer): within this machine's run-to-run noise.
+# (tests/conftest.py). On 2 cores, 3 to 6 workers take the part alone within the machine's run-to-run noise of each
+# other; 4 is as fast as any.
 TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 2)))
 MULTI_WORKERS ?= 2
 # Bytecode is written even where the environment sets PYTHONDONTWRITEBYTECODE: every collecting pytest process
 # and every launched trainer, writer and pipeline step would otherwise compile the project's modules (and pytest
-# rewrite each test module) from source again (collection of the single-process tests, one process: 10.4 -> 7.0 CPU-s).
+# rewrite each test module) from source again (a third of the single-process tests' collection).
 test: setup
 	@unset PYTHONDONTWRITEBYTECODE; t0=$$(date +%s); \
 	$(PY) -m pytest -m "not multiprocess" -n $(TEST_WORKERS) $(DURATIONS) $(PYTEST_ARGS); single=$$?; t1=$$(date +%s); \
@@ -76,8 +76,8 @@ compile: setup
 	@test -n "$(IMAGE)" || { echo "make compile: set IMAGE=REGISTRY/resilient-train:TAG, the image you built and pushed" >&2; exit 2; }
 	$(PY) -m pipelines.compile --image "$(IMAGE)" $(if $(PULL_SECRET),--image-pull-secret "$(PULL_SECRET)") --out "$(PIPELINE)"
 
-# The CPU benchmark of BENCHMARKS.md (checkpoint cost, sync vs async). The GPU figures come from
-# bench/gpu_suite.sh on a CUDA host (see BENCHMARKS.md).
+# The CPU rows of BENCHMARKS.md, "Snapshot cost". The GPU figures come from bench/gpu_suite.sh and
+# bench/throughput_suite.sh on a CUDA host (docs/benchmarks.md).
 bench: setup
 	PYTHONPATH=.:trainer_image OMP_NUM_THREADS=2 $(PY) bench/checkpoint_bench.py --config tiny \
 		--steps 20 --every 5 --persist-every 2 --model.vocab_size=2048

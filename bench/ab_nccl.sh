@@ -3,7 +3,7 @@
 # commit) against this tree's, each a 30-step run of $CFG eager under bench/trainer_run.py with the recovery layers
 # and the in-process Wrapper on and an exception at step 20. Prints, per run: how many NCCL communicators were made
 # (NCCL's own INIT lines), the times of steps 1, 2, 21 and 22, and the in-process recovery with its phases.
-# Session 10 (BENCHMARKS.md): OLD = 5bac579's trainer_image (communicator made at init with one rank):
+# E.g. OLD = 5bac579's trainer_image (the communicator made at init with one rank):
 #   git archive 5bac579 trainer_image | tar -x -C bench/_old   # here, before the device call (untracked)
 #   source bench/gpu_env.sh && OLD=$PWD/bench/_old/trainer_image bash bench/ab_nccl.sh
 # On a CPU: DEV=cpu CFG=tiny (gloo: no communicator either way).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmark driver: every figure of BENCHMARKS.md as JSON lines in $OUT/figures.jsonl (and on stdout).
+# GPU benchmark driver: the GPU figures of BENCHMARKS.md as JSON lines in $OUT/figures.jsonl (and on stdout).
 #
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: floors throughput checkpoint recovery injob goodput restorepoint peer
 #

@@ -7,9 +7,9 @@
 coefficient. For the config's real parameter shapes (random bf16 gradients), each way of doing it: its time on
 the GPU (CUDA events, median over ``--reps`` passes over every gradient) and whether its result is bit-identical
 to the reference ``torch.mul(g, coef, out=fp32)``; the memory-traffic floor beside them (read 2 bytes, write 4
-per element, at the bandwidth a plain fp32 copy of the same bytes reaches here). Measured on one H200 (1b, 147
-gradients, BENCHMARKS.md): the mixed-dtype ``mul`` 6.06 ms, a cast then ``_foreach_mul_`` 8.20 ms, a compiled
-kernel per gradient 14.1 ms (its per-call overhead), the cast alone 4.74 ms: ``OneRank`` keeps the ``mul``.
+per element, at the bandwidth a plain fp32 copy of the same bytes reaches here). On one H200 (1b, 147 gradients)
+the mixed-dtype ``mul`` beats a cast then ``_foreach_mul_`` and a compiled kernel per gradient (its per-call
+overhead), close to the cast alone: ``OneRank`` keeps the ``mul``.
 
 ``abort``: what NVRx's ``AbortTorchDistributed`` (the in-process restart's abort) costs on a one-rank NCCL group,
 with the communicator created at ``init_process_group`` (``device_id`` given: eager) and without (lazy: no

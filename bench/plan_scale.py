@@ -1,4 +1,4 @@
-"""The goodput projection at 1,024 and 16,384 GPUs from one run's ledger, as README and BENCHMARKS quote it: the
+"""The goodput projection at 1,024 and 16,384 GPUs from one run's ledger (BENCHMARKS.md, "Projection at scale"): the
 planner (``python -m trainer.plan``) at each size with ``--recommend``, its text and JSON kept, and one summary table.
 
     PYTHONPATH=trainer_image .venv/bin/python bench/plan_scale.py --run RUN_DIR --out DIR [--label NAME] \\

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU restart figures (BENCHMARKS.md "Restart path"): 2 gloo ranks of the tiny model under entrypoint.sh with the
+# CPU restart figures, each restart split into its phases: 2 gloo ranks of the tiny model under entrypoint.sh with the
 # in-process layer on, an exception on rank 1 at step 5 (in-process) and a SIGKILL of rank 0 at step 9 (in-job),
 # snapshots every 2 steps; RUNS repeats. Prints bench/figures.py's recovery (with phases) and starts lines.
 #

@@ -9,7 +9,7 @@ Each variant trains ``--stop-at`` steps of ``--config`` (``1b``) at the default 
 report at step 100 closes the start-up interval, the one at step 200 is a full report, inside the measured window
 (steps ``--skip``+1 .. ``--stop-at``). The figure is the *mean* step time over that window (a report's cost lands in
 one logged 10-step window, which a median would drop), per mode, and the overhead of each mode over ``off`` in ms
-per step and as a fraction of the measured step and of the compiled ``1b`` step of BENCHMARKS.md (0.307 s).
+per step and as a fraction of the measured step and of a compiled ``1b`` step on one H200 (0.307 s).
 ``--compile false`` (the default here) keeps four runs inside one 10-minute call; the detector's cost per step does
 not depend on compilation, so the fraction of the compiled step is the conservative figure. Output: one JSON line
 per variant and a summary line, on stdout and in ``<out>/straggler_overhead.jsonl``; the runs' metrics (with the
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-COMPILED_1B_STEP_S = 0.307  # BENCHMARKS.md: `1b`, torch.compile per block, 1 H200
+COMPILED_1B_STEP_S = 0.307  # `1b`, torch.compile per block, 1 H200: the step this overhead is reported against
 
 
 def window(metrics: Path, skip: int, stop: int) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 # `make test` runs the multiprocess tests on two xdist workers a module at a time (--dist loadscope, in this
 # order: --no-loadscope-reorder), so the longest modules go first and none is left to run alone at the end (each
-# module's time: bench/results/2026-12-06-session23/test-cpu-93e1ff9-summary.txt).
+# module's time: BENCHMARKS.md, "The suite's time", bench/results/suite-time/cpu-2026-12-06-5cb1985/test-cpu-summary.txt).
 LONGEST_FIRST = (
     "tests/resiliency/test_recovery.py", "tests/pipelines/test_local_pipeline.py", "tests/hf/test_hf_training.py",
     "tests/resiliency/test_elastic.py", "tests/resiliency/test_node_memory.py", "tests/resiliency/test_exit_contract.py",
@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
-    """~0.5M tokens from the first stdlib files; vocab 2048. Built once per test session."""
+    """~0.5M tokens from the first stdlib files; vocab 2048. Built once per pytest session."""
     from components.lib.tokendata import build_dataset, default_corpus
 
     out = tmp_path_factory.mktemp("data") / "stdlib"

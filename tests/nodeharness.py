@@ -45,16 +45,16 @@ class Node:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def processes(self) -> list[int]:
-        """Every live process of this node: its entrypoint's session and everything below the entrypoint
+        """Every live process of this node: its entrypoint's process session and everything below the entrypoint
         (ft_launcher starts each worker in a session of its own)."""
-        session = []
+        members = []
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
                     if int(stat[3]) == self.proc.pid and stat[0] != "Z":
-                        session.append(int(entry))
-        return sorted(set(session) | set(process_tree(self.proc.pid)))
+                        members.append(int(entry))
+        return sorted(set(members) | set(process_tree(self.proc.pid)))
 
     def workers(self) -> list[int]:
         """The node's training workers (``python -m trainer``, not the launcher nor a helper)."""
@@ -174,8 +174,8 @@ class Cluster:
         return self.wait(timeout=max(1.0, deadline - time.monotonic()))
 
     def wait(self, timeout: float = 240) -> dict[str, int]:
-        """Every node still running ends; their exit codes by name. At ``timeout`` every node's session gets SIGABRT
-        (each Python process prints its threads' stacks) and SIGKILL, and the test fails with the logs' tails."""
+        """Every node still running ends; their exit codes by name. At ``timeout`` every node's process session gets
+        SIGABRT (each Python process prints its threads' stacks) and SIGKILL, and the test fails with the logs' tails."""
         deadline = time.monotonic() + timeout
         codes = {}
         for node in self.nodes:

@@ -54,7 +54,7 @@ def torchrun(
 
 def run_session(cmd: list[str], env: dict[str, str], timeout: float, timeout_message: str) -> tuple[int, str]:
     """Run ``cmd`` in a session of its own, output (stdout and stderr) captured; (returncode, output). At
-    ``timeout`` the whole session is stopped (launcher, workers, their writers) and the test fails with
+    ``timeout`` the whole process session is stopped (launcher, workers, their writers) and the test fails with
     ``timeout_message`` and the output's tail: first SIGABRT, on which every Python process of it prints each of its
     threads' stack (``PYTHONFAULTHANDLER``), so a hang in CI says where it hung; SIGKILL for what is left."""
     import signal

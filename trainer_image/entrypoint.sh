@@ -241,8 +241,8 @@ export PYTHONUNBUFFERED=1 TRAINER_RDZV_KEEP_ALIVE_S="$keep_alive"
 export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 # Expandable segments: the CUDA caching allocator maps memory into segments that grow on demand instead of
 # reserving fixed-size ones, so less reserved memory sits unused between blocks. torchtitan's launcher
-# (run_train.sh) exports the same; on one H200 it cut the compiled 1b run's peak reserved memory by 3.86 GiB
-# (51.68 -> 47.82 GiB) at the same speed per step (within 0.4 %; BENCHMARKS.md, session 8, issue 21). A user's
+# (run_train.sh) exports the same; it lowers a compiled run's peak reserved memory at the same speed per step
+# (bench/throughput_suite.sh alloc measures it; BENCHMARKS.md, "Throughput against torchtitan", runs with it). A user's
 # setting wins (expandable_segments:False turns it off). Nothing in the trainer shares CUDA tensors between
 # processes (CUDA IPC, which expandable segments may not support): the checkpoint writer gets host memory, the
 # standby handoff no tensors. Exported before the standby starts, which must see the workers' import-time

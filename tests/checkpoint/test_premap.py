@@ -1,7 +1,7 @@
 """A warm standby maps and page-locks the node-local snapshot slots of the worker it may replace
 (``trainer/checkpoint/premap.py``), and the worker it becomes restores from those mappings without locking them
-again. Here the driver's registration is a recorder (CPU); the H200 effect is the in-job ``restore`` phase
-(BENCHMARKS.md)."""
+again. Here the driver's registration is a recorder (CPU); on a GPU the effect is the in-job ``restore`` phase
+(BENCHMARKS.md, "Recovery per layer")."""
 
 from __future__ import annotations
 

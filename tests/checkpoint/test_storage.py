@@ -226,8 +226,8 @@ def test_no_loadable_checkpoint_left_is_exit_4(tmp_path, pg):
 
 
 def test_retention_deletes_in_the_background_and_the_commit_does_not_wait(tmp_path, pg, monkeypatch):
-    """Deleting a superseded 17 GB checkpoint took 5 s with every rank waiting at the commit (H200 goodput run).
-    Retention now renames it out of the namespace and deletes it in a thread: here the delete is held until the
+    """Deleting a superseded 17 GB checkpoint takes seconds, which every rank would spend waiting at the commit.
+    Retention renames it out of the namespace and deletes it in a thread: here the delete is held until the
     saves are done, and the saves neither wait for it nor see the doomed directory as a checkpoint."""
     import shutil
     import threading

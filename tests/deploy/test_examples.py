@@ -1,5 +1,5 @@
 """The documented commands run as written: every ``python -m pipelines...`` line of the recurring-run example
-and of the README's cluster section goes through the real argument parsing and validation (against a
+and of the cluster and bring-your-own guides (docs/) goes through the real argument parsing and validation (against a
 kfp.Client stand-in that checks each call against the real client's signature), and the SDK example runs."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pipelines import cli
 from pipelines import compile as compile_cli
 
 EXAMPLE = DEPLOY / "examples" / "recurring-run.md"
-README = REPO / "README.md"
+CLUSTER_GUIDE = REPO / "docs" / "cluster.md"
+BYO_GUIDE = REPO / "docs" / "data-and-model.md"
 ENV = {"IMAGE": "registry.example.com/you/resilient-train:0.1.0", "NAMESPACE": "kubeflow-user-example-com",
        "KFP_HOST": "https://kubeflow.example.com/pipeline", "KFP_TOKEN": "token-from-kubectl"}
 REAL_CLIENT = kfp.Client
@@ -56,7 +57,7 @@ class SignatureCheckingClient:
 
 @pytest.fixture
 def cluster(monkeypatch, tmp_path):
-    """A working directory, the README's environment variables, and the stand-in client."""
+    """A working directory, the cluster guide's environment variables, and the stand-in client."""
     SignatureCheckingClient.calls = []
     monkeypatch.setattr(kfp, "Client", SignatureCheckingClient)
     monkeypatch.chdir(tmp_path)
@@ -111,9 +112,8 @@ def test_recurring_run_sdk_example_runs_against_the_kfp_client(cluster):
     assert cli_schedule[cli_schedule.index("--cron") + 1] == kwargs["cron_expression"], "CLI and SDK differ"
 
 
-def test_readme_cluster_commands_run_as_written(cluster):
-    section = README.read_text().split("## Run it on your cluster", 1)[1]
-    commands = pipeline_commands(section)
+def test_cluster_guide_commands_run_as_written(cluster):
+    commands = pipeline_commands(CLUSTER_GUIDE.read_text())
     assert {tuple(c[:2]) for c in commands} >= {("pipelines.compile", "--image"), ("pipelines.cli", "submit"),
                                                 ("pipelines.cli", "schedule")}
     for command in commands:
@@ -122,13 +122,11 @@ def test_readme_cluster_commands_run_as_written(cluster):
     assert submitted and all(kw["service_account"] == cli.SERVICE_ACCOUNT for kw in submitted)
 
 
-def test_readme_bring_your_own_commands_submit_those_parameters(cluster):
-    section = README.read_text().split("## Bring your own data and model", 1)[1]
-    cluster_section = README.read_text().split("## Run it on your cluster", 1)[1].split("## Bring your own", 1)[0]
-    for command in pipeline_commands(cluster_section):  # the compile step writes the package it submits
+def test_bring_your_own_guide_commands_submit_those_parameters(cluster):
+    for command in pipeline_commands(CLUSTER_GUIDE.read_text()):  # the compile step writes the package it submits
         if command[:2] == ["pipelines.compile", "--image"]:
             assert run(command) == 0
-    commands = pipeline_commands(section)
+    commands = pipeline_commands(BYO_GUIDE.read_text())
     assert [c[:2] for c in commands] == [["pipelines.cli", "submit"]]
     assert run(commands[0]) == 0
     (kwargs,) = [kw for method, kw in cluster if method == "create_run_from_pipeline_package"]

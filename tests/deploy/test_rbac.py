@@ -108,7 +108,9 @@ def test_runs_are_submitted_as_the_account_the_role_is_bound_to():
     assert cli.SERVICE_ACCOUNT == RUNS_AS
     objects = render(DEPLOY / "overlays" / "gpu-cluster")
     assert not [o for o in objects if o["kind"] == "ServiceAccount"], "the profile owns default-editor"
-    for doc in (REPO / "README.md", REPO / "notebooks" / "run_pipeline.ipynb", DEPLOY / "examples" / "recurring-run.md"):
+    docs = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "notebooks" / "run_pipeline.ipynb",
+            DEPLOY / "examples" / "recurring-run.md")
+    for doc in docs:
         text = doc.read_text()
         assert "train-launcher'" not in text and "--service-account train-launcher" not in text, doc
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-VOCAB = 2048  # the session dataset's (tests/conftest.py tiny_dataset)
+VOCAB = 2048  # the suite's dataset (tests/conftest.py tiny_dataset, built once per pytest session)
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 32}
 """Llama 3.1's kind of RoPE scaling, with an original context short enough that the tests' sequences feel it."""

@@ -145,7 +145,7 @@ def test_exception_and_hang_are_recovered_in_process_across_nodes(layered):
     assert {"detect", "abort", "wrapper", "process_group", "restore", "first_step"} <= set(phases)
     before = sum(v for k, v in phases.items() if k in ("unwind", "detect", "abort", "wrapper", "reconnect"))
     assert abs(before + phases["total"] - exception["recovery_s"]) < 0.05, phases
-    # Each rank logs its abort's parts and where the Wrapper's part went (BENCHMARKS.md reads these lines).
+    # Each rank logs its abort's parts and where the Wrapper's part went (bench/figures.py recovery reads them).
     assert re.search(r"\[rank1\] .*in-process abort: (nested restarter [\d.]+ s, )?torch.distributed [\d.]+ s", node1)
     wrapper = re.search(r"\[rank1\] .*from the abort's end to this call: ([\d.]+) s: health checks ([\d.]+) s, "
                         r"garbage collection ([\d.]+) s \((\d+) collections\), the rest", node1)

@@ -1,7 +1,7 @@
 """The warm standby's prewarm (trainer/prewarm.py): the worker's command line goes from its first-step marker to
 the standby, which trains a small copy of the configured model with the trainer's own code and frees it.
 
-The GPU effect is measured by ``bench/cold_phases.py`` (BENCHMARKS.md); here, on CPU, the parts that decide what
+The GPU effect is measured by ``bench/cold_phases.py``; here, on CPU, the parts that decide what
 runs: the marker's record, its parsing by the standby, the small configuration and the memory rule."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_restore_warm_up_is_skipped_only_in_a_prewarmed_worker_whose_slots_were_
         monkeypatch, prewarmed, taken, runs):
     """The restore's warm-up hides a new process's lazy initialisation behind a long copy; in a standby's worker
     whose slots the standby page-locked ahead the copy is short and the kernels are loaded, so it only lengthens
-    the restore (H200, 1b, same call: in-job 2.32 s without it, 2.85 s with)."""
+    the restore (on an H200 with 1b the in-job restart is shorter without it)."""
     from types import SimpleNamespace
 
     from trainer import train

@@ -64,7 +64,7 @@ HANGS = inprocess(collective_s=2, soft_s=4, hard_s=HARD_S, grace_s=1)
 
 
 def _run(cmd, run_dir, env_extra=None, timeout=150):
-    """Run a launcher in its own session; returns (returncode, output, port). Kills the session on timeout."""
+    """Run a launcher in its own session; returns (returncode, output, port). Kills the process session on timeout."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **(env_extra or {})}

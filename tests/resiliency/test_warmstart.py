@@ -1,8 +1,8 @@
 """A new GPU worker's warm-up thread (trainer/warmstart.py): what it runs and when it is skipped.
 
-Its effect on the first step is measured on the GPU (BENCHMARKS.md); here, on CPU, the parts that decide what
-runs: the bare one-block configuration, the integer classes of the optimizer's kernel, the model and optimizer
-passes (no RNG stream of the run drawn from), the skip rules, and the thread's report."""
+Its effect on the first step is measured on the GPU (BENCHMARKS.md, "First step of a new worker"); here, on CPU, the
+parts that decide what runs: the bare one-block configuration, the integer classes of the optimizer's kernel, the
+model and optimizer passes (no RNG stream of the run drawn from), the skip rules, and the thread's report."""
 
 from __future__ import annotations
 

@@ -505,8 +505,8 @@ def test_heartbeat_timeouts_are_learned_at_the_second_save_then_every_tenth_and_
 
 
 def test_one_rank_learns_heartbeat_timeouts_without_a_collective(monkeypatch):
-    """NVRx's timeout calculator all-reduces on the default group even with one rank: on NCCL that made a one-rank
-    communicator, which every in-process abort after it tore down (0.72-1.0 s on an H200, 2 ms before it)."""
+    """NVRx's timeout calculator all-reduces on the default group even with one rank: on NCCL that makes a one-rank
+    communicator, which every in-process abort after it tears down (most of a second on an H200)."""
     import torch.distributed as dist
     from nvidia_resiliency_ext.fault_tolerance.timeouts_calc import TimeoutsCalc
 

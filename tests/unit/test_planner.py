@@ -95,12 +95,12 @@ def test_a_slow_persistent_write_is_not_free():
     assert goodput(free, 1) > goodput(free, 8)
 
 
-@pytest.mark.parametrize("figures", ["call2-goodput-figures.jsonl", "call3-floors-goodput-figures.jsonl"])
-def test_replay_of_the_gpu_goodput_runs(figures):
-    """BENCHMARKS.md's goodput runs on one H200 (session 15: an exception at step 405, a SIGKILL at 805, 1,200 steps
+@pytest.mark.parametrize("run", ["h200-2026-12-04-20cd5dd", "h200-2026-12-04-69ff96c"])
+def test_replay_of_the_gpu_goodput_runs(run):
+    """The goodput runs of BENCHMARKS.md, "Goodput" (one H200: an exception at step 405, a SIGKILL at 805, 1,200 steps
     of ``1b``, a snapshot every 10 steps): their figure lines' costs and faults predict their strict goodput within
     1.5 points."""
-    path = REPO / "bench" / "results" / "2026-12-04-session15" / figures
+    path = REPO / "bench" / "results" / "goodput" / run / "figures.jsonl"
     costs = from_figures(path, {"interval": 10, "persist_every": 20})
     result = replay_figures(path, costs)
     assert [f["steps_redone_predicted"] for f in result["faults"]] == [4, 4]  # as recorded

@@ -234,9 +234,10 @@ def test_every_layer_and_input_has_a_documented_default():
 
 
 def test_the_two_node_harness_ledgers_measure_a_node_loss_and_the_peer_tier():
-    """The trainer's own records, as ``bench/peer_nodes.py`` left them (two CPU nodes; BENCHMARKS.md 2026-12-07): the
-    start record's replica count, the summary's replica pushes, a node loss restored from a peer and one from disk."""
-    runs = REPO / "bench" / "results" / "2026-12-07-planner" / "cpu-peer-nodes"
+    """The trainer's own records, as ``bench/peer_nodes.py`` left them (two CPU nodes; BENCHMARKS.md, "Projection at
+    scale"): the start record's replica count, the summary's replica pushes, a node loss restored from a peer and one
+    from disk."""
+    runs = REPO / "bench" / "results" / "projection" / "cpu-2026-12-07-03bbcdc" / "cpu-peer-nodes"
     peer, disk = measure(runs / "2-lost-rauto", own=False), measure(runs / "3-lost-r0", own=False)
     assert (peer.replicas, disk.replicas) == (1, 0) and peer.replica_push_s > 0 and disk.replica_push_s is None
     assert set(peer.recoveries) == {"node_peer"} and set(disk.recoveries) == {"node"}

@@ -1,11 +1,10 @@
 """Compile a run's Triton kernels (``trainer/kernels.py``) in a process of their own while the worker starts.
 
 Triton compiles a kernel at its first call, for the dtypes and integer classes it is called with, and keeps it in an
-on-disk cache (``$TRITON_CACHE_DIR``, by default ``~/.triton/cache``) that a fresh container has empty. On one H200 a
-new ``1b`` eager run's first step took 5.46 s with the kernels of ``train.kernels`` and ``optim.implementation``
-compiled in it, against 0.89 s for the same step before them (BENCHMARKS.md, sessions 12-13): 4.6 s of one process's CPU
-that nothing else needed at that moment, while the worker spent 9 s importing, making its CUDA context and building
-the model.
+on-disk cache (``$TRITON_CACHE_DIR``, by default ``~/.triton/cache``) that a fresh container has empty. Compiled in
+the worker, the kernels of ``train.kernels`` and ``optim.implementation`` make a new ``1b`` run's first step seconds
+longer on an H200: CPU work of one process that nothing else needs while the worker spends its first seconds
+importing, making its CUDA context and building the model.
 
 ``python -m trainer.compile_ahead <the trainer's arguments>`` works out which kernels the run will call, with which
 dtypes and integers (the same choices as the worker: ``parallel.triton_kernels``, ``optimizer.adamw_implementation``,
@@ -16,9 +15,9 @@ in exclusive-process mode is left to the worker. Nothing waits for it: a kernel 
 worker compiles itself, as before (Triton's cache writes are atomic). It logs one line (what it compiled, in how
 long and where the time went, or why not; nothing for arguments the worker itself rejects) and always exits 0.
 
-Who starts it, once per node: ``entrypoint.sh``, before ``ft_launcher`` (whose own start-up, ~2-4 s, is then a head
-start: in session 14's first goodput run, started by the worker, it finished only during the worker's first step;
-started here, before the first step began), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts
+Who starts it, once per node: ``entrypoint.sh``, before ``ft_launcher`` (whose own start-up is then a head start:
+started by the worker, the compile can finish only during the worker's first step; started here, it finishes before
+the first step begins), and it exports ``TRAINER_COMPILE_AHEAD=started`` so no worker starts
 another. Without the entrypoint (``torchrun -m trainer``) the worker of local rank 0 starts it right after parsing its
 arguments, in its first attempt only (a restarted worker finds the cache filled). Off with
 ``TRAINER_COMPILE_AHEAD=0``; never on a machine without an NVIDIA device, nor for ``train.device=cpu``.

@@ -154,7 +154,8 @@ class OptimConfig:
     on CPU), ``fused`` (one multi-tensor CUDA kernel), ``foreach`` or ``for_loop`` (one parameter at a time:
     bit-identical between runs and world sizes on CPU); ``triton`` (CUDA): a Triton kernel per parameter that, with
     one rank, reads the bf16 gradients and clipping's coefficient itself, so no fp32 gradient is ever made
-    (``trainer/kernels.py``; compiled ``1b`` on one H200: +2.1 % a step against ``fused``, BENCHMARKS.md)."""
+    (``trainer/kernels.py``; faster a step than ``fused`` for a compiled ``1b`` on one H200: the ``fused-adamw`` row of
+    ``bench/throughput_suite.sh loo``)."""
 
     def validate(self) -> None:
         _positive(self, "optim", ("eps",))
@@ -268,13 +269,13 @@ class TrainConfig:
     rope_kernel: str = "auto"
     """How RoPE rotates channel pairs, in fp32 either way: ``complex`` (one complex multiplication: one kernel in
     eager mode; ``torch.compile`` runs it outside its graphs), ``real`` (four real products that Inductor fuses with
-    the projections), ``auto``: ``real`` compiled, ``complex`` in eager mode. Measured on one H200 (compiled ``1b``,
-    BENCHMARKS.md), ``real`` against ``complex``: +0.2 %, +1.1 % and +1.3 % per step in three device calls, at the
-    same peak allocated memory. Its peak *reserved* memory was 3.9 GiB higher once, equal once and 3.8 GiB lower once
-    under the default allocator: fragmentation, which ``entrypoint.sh``'s expandable segments remove."""
+    the projections), ``auto``: ``real`` compiled, ``complex`` in eager mode. Compiled, ``real`` is as fast as
+    ``complex`` or slightly faster a step on one H200 (the ``real-rope`` row of ``bench/throughput_suite.sh loo``), at
+    the same peak allocated memory; its peak *reserved* memory varies with the default allocator's fragmentation,
+    which ``entrypoint.sh``'s expandable segments remove."""
     kernels: str = "auto"
     """Hand-written Triton kernels (``trainer/kernels.py``) for what PyTorch runs as several passes or through a slow
-    path: the chunked loss's two kernels (compiled too: +2.8 % a step against Inductor's on one H200), SwiGLU (eager
+    path: the chunked loss's two kernels (compiled too: faster a step than Inductor's on one H200), SwiGLU (eager
     mode only: compiled, Inductor fuses the same ops) and one rank's gradients to fp32. ``auto``: on CUDA, if
     Triton imports; ``triton``: the same, and an error if Triton is missing; ``torch``: PyTorch's own ops. Never on
     CPU (CPU runs stay bit-identical to their history). Same fp32 arithmetic, one rounding per kernel."""

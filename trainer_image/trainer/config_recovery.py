@@ -118,8 +118,8 @@ class CheckpointConfig:
     pin_chunk_mib: int = 1024
     """CUDA: page-lock each snapshot slot in registrations of this many MiB, pausing after each as long as it took
     (copies into and out of the slot are split at their boundaries); 0: one registration per slot. Registering an
-    18 GB slot in one call holds the CUDA driver for seconds, and the training thread's kernel launches wait: on one
-    H200 the first step after an in-job restart took 4.2 s with 0, 0.3-0.5 s with 1024 (BENCHMARKS.md). 1024
+    18 GB slot in one call holds the CUDA driver for seconds, and the training thread's kernel launches wait: with 0,
+    the first step after an in-job restart takes seconds more on an H200. 1024
     matches the chunks a node-local restore registers, which are then kept instead of registered again."""
     mtbf_s: float = 0.0
     """Mean time between failures of the whole job, for ``interval = "auto"``; 0: the MTBF of ``failure_model`` at
@@ -218,15 +218,14 @@ class ResiliencyConfig:
     (discarded) warm the CUDA caching allocator, cuBLAS and the kernels its first real step would otherwise wait
     for. It runs inside the recovery time the ledger measures; the RNG and data position are restored after it.
     Skipped in a standby's worker whose snapshot slots the standby page-locked ahead (``standby_premap``): its
-    copy is short and its kernels are loaded. H200, ``1b``: the first step comes 0.5 s sooner (in-job 2.32 s
-    without, 2.85 s with, same call), but the second step pays 0.27-0.55 s of what the warm-up did. Three goodput
-    runs without it lost 0.36-0.43 s less per in-job restart than one with it, in another call (BENCHMARKS.md)."""
+    copy is short and its kernels are loaded: there, on an H200 (``1b``), the warm-up made the in-job restart
+    longer, and the second step paid back much of what it saved the first."""
     start_warmup: bool = True
     """GPU, eager: a new worker loads its first step's kernels (one bare block at the run's shapes, the loss, the
     optimizer's kernel) in a background thread while it builds its model and restores, and waits for it before the
-    first step (start phase ``warm``) instead of paying for them in that step (``trainer/warmstart.py``). H200,
-    ``1b``: step 1 0.38-0.46 s instead of 1.20-1.41 s; the start as a whole as long as without. Skipped in a
-    standby's worker (``standby_prewarm`` did it), for a compiled run, and on the CPU."""
+    first step (start phase ``warm``) instead of paying for them in that step (``trainer/warmstart.py``): a step 1
+    like the others, the start as a whole as long as without (BENCHMARKS.md, "First step of a new worker"). Skipped
+    in a standby's worker (``standby_prewarm`` did it), for a compiled run, and on the CPU."""
     standby_prewarm: bool = True
     """GPU, with warm standby workers (``TRAINER_STANDBY`` in ``entrypoint.sh``): a standby trains a small copy of
     this model (one block, vocabulary <= 4096, 512 tokens) for two steps and frees it before it is needed, so the

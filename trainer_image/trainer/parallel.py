@@ -208,7 +208,7 @@ def triton_missing() -> str:
 
 def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
     """``train.kernels`` resolved: which of ``trainer/kernels.py``'s run: ``loss`` and ``swiglu`` in eager mode;
-    compiled, ``loss`` (instead of Inductor's chunk kernels: +2.8 % a step on one H200, BENCHMARKS.md) and
+    compiled, ``loss`` (instead of Inductor's chunk kernels: faster a step on one H200) and
     ``grad_upcast`` (one rank's gradient pass, outside the compiled graphs); none on CPU."""
     if cfg.kernels == "torch" or device.type != "cuda":
         return frozenset()

@@ -3,9 +3,9 @@
 A new process pays on its first training step for what CUDA and PyTorch load lazily: each kernel's module
 (``CUDA_MODULE_LOADING=LAZY``), cuBLAS and cuBLASLt handles and their heuristics for each GEMM shape, flash
 attention's kernels, the Triton kernels of ``trainer/kernels.py`` (from Triton's cache on disk, filled by
-``trainer/compile_ahead.py``: the binary, its launcher, the first launch), autograd's device threads. On one H200 a
-new ``1b`` eager worker's first step took 2.21 s against 0.27 s for the next ones, and 0.49 s for the first step of a
-warm standby's worker that had run ``trainer/prewarm.py`` (BENCHMARKS.md, session 14).
+``trainer/compile_ahead.py``: the binary, its launcher, the first launch), autograd's device threads. On an H200 a
+new ``1b`` eager worker's first step takes several times as long as the next ones, unlike the first step of a warm
+standby's worker that has run ``trainer/prewarm.py``.
 
 ``Warmup`` starts once the worker's device is chosen (``cli``, after ``Resources.create``) and runs beside the rest
 of its start (recovery layers, in-process Wrapper, process group, model build, restore), on the same device:
@@ -22,11 +22,10 @@ of its start (recovery layers, in-process Wrapper, process group, model build, r
   parameter, optimizer state or data position of the run.
 
 ``train()`` waits for it (phase ``warm`` of the start's log line) before the first step: what it did not finish by
-then the start pays, never the first step. Measured on one H200 (``1b`` eager, BENCHMARKS.md session 15): the first
-step took 0.38-0.46 s with it against 1.20-1.41 s without (2.7-3.2 s on a cold Triton cache); the start as a whole
-did not get shorter (device chosen to the end of step 1: median 4.07 s with it, 4.04 s without, five pairs): beside
-the thread the main thread's process group and recovery layers take longer (likely the GIL: Triton's first calls
-are Python) and its model build shorter. What it buys is a first step that costs like the others.
+then the start pays, never the first step. On one H200 (``1b`` eager; BENCHMARKS.md, "First step of a new worker")
+the first step costs like the others with it, and the start as a whole is as long as without: beside the thread the
+main thread's process group and recovery layers take longer (likely the GIL: Triton's first calls are Python) and
+its model build shorter. What it buys is a first step that costs like the others.
 
 ``start`` decides whether it runs: not for a compiled run (Inductor's kernels are the run's; its cache on disk
 serves them), on the CPU, or in a standby's worker (``trainer/prewarm.py`` warmed it); ``warm_kernels`` skips it,

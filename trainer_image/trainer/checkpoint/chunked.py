@@ -161,7 +161,7 @@ def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int],
     """Page-lock ``buffer`` in ``piece``-byte registrations (page multiples), skipping addresses already in
     ``registered`` (a restore's chunks of the same size) and appending each new one. ``pause(seconds)`` after each
     piece, with the seconds it took: a registration holds the CUDA driver, and the training thread's kernel
-    launches wait for it (an 18 GB slot in one call: 5.7-5.9 s steps on H200). False when the driver refused."""
+    launches wait for it (an 18 GB slot in one call holds it for seconds). False when the driver refused."""
     base, done = buffer.data_ptr(), set(registered)
     for start in range(0, buffer.numel(), piece):
         if base + start in done:
@@ -187,8 +187,8 @@ def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
     fault and clearing ran inside the registration with the CUDA driver held, and left to a first copy into a
     pageable slot, it made that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). Tried first on H200:
     ``madvise(MADV_POPULATE_WRITE)`` over GiB ranges stalled the training loop for seconds, probably by holding the
-    address space's lock for each whole range; single faults take it briefly. This version, measured on H200
-    (BENCHMARKS.md, 2026-12-02 call 1): the first 40 steps lost 2.2 s, against 13.4 s with madvise."""
+    address space's lock for each whole range; single faults take it briefly, and on H200 the first steps lose a
+    fraction of what they lost with madvise."""
     flat = buffer.view(-1)
     count = max(1, min(threads, (os.cpu_count() or 2) // 2))
     share = -(-flat.numel() // count // PAGE_BYTES) * PAGE_BYTES

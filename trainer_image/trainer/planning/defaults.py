@@ -2,8 +2,8 @@
 and the command that would measure it. The report prints every default used beside the result (``plan.report``),
 and the uncertainty band varies each by ±50 % (``band``).
 
-Each value is a figure BENCHMARKS.md (or its history) records with its card, date, commit and command, or a
-Kubernetes default; ``PLANNING.md`` ("The inputs it needs") lists them in a table.
+Each value is a figure BENCHMARKS.md records with its card, date, commit and command, or a Kubernetes default;
+``PLANNING.md`` ("The inputs it needs") lists them in a table.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ _START_S, _DISK_READ_S = 11.45, 14.92
 DEFAULTS: dict[str, Default] = {
     "recovery_inprocess": Default(
         0.83, f"an in-process restart on {_H200_1B}, fault to first productive step less one step (1.103 - 0.274 s; "
-        "bench/results/2026-12-04-session15/call3-floors-goodput-figures.jsonl)",
+        "bench/results/goodput/h200-2026-12-04-69ff96c/figures.jsonl)",
         "a run with an injected exception: --train.faults / the pipeline's faults=0:N:exception"),
     "recovery_injob": Default(
         1.36, f"an in-job restart (SIGKILL, warm standby) on {_H200_1B}, less one step (1.633 - 0.274 s; "
-        "bench/results/2026-12-04-session15/call3-floors-goodput-figures.jsonl)",
+        "bench/results/goodput/h200-2026-12-04-69ff96c/figures.jsonl)",
         "a run with an injected SIGKILL: faults=0:N:sigkill"),
     "recovery_node": Default(
         _START_S + _DISK_READ_S, f"a lost node restored from the persistent tier on {_H200_1B}: a new process's start "
-        f"to its first step ({_START_S} s, bench/results/2026-12-04-session15/call2-goodput-figures.jsonl 'start') + "
+        f"to its first step ({_START_S} s, bench/results/goodput/h200-2026-12-04-20cd5dd/figures.jsonl 'start') + "
         f"one state read from disk ({_DISK_READ_S} s, disk_load in "
-        "bench/results/2026-12-01-merged/call1-recovery-checkpoint.figures.jsonl)",
+        "bench/results/snapshot-cost/h200-2026-12-01-e97fdf8/recovery-checkpoint-figures.jsonl)",
         _PEER_BENCH.format(plan="lost:0")),
     "recovery_cluster": Default(
         58.8, "the CPU demo's cluster restart, a preemption and the pipeline's retry (make demo; "
@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Default] = {
         "make demo, then plan --measured <the demo's run directory>"),
     "restore_persistent_s": Default(
         _DISK_READ_S, f"one state read from disk on {_H200_1B} (disk_load in "
-        "bench/results/2026-12-01-merged/call1-recovery-checkpoint.figures.jsonl)",
+        "bench/results/snapshot-cost/h200-2026-12-01-e97fdf8/recovery-checkpoint-figures.jsonl)",
         _PEER_BENCH.format(plan="lost:0")),
     "restore_memory_s": Default(
         0.0, "not subtracted: the in-job restart's restore phase is not in this ledger (a trainer older than the "

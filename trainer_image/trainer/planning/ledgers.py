@@ -138,9 +138,9 @@ def measure(run_dir: str | Path, interval: Any = None, persist_every: Any = None
 
 
 def from_figures(path: str | Path) -> Measured:
-    """A GPU goodput run's figure lines (``bench/figures.py goodput``: ``goodput_strict`` and ``recovery`` lines, as
-    BENCHMARKS.md quotes them): step = the fault-free step time, snapshot = its mean cost, the final save; the
-    recoveries (with their restore phases where the lines hold them)."""
+    """A GPU goodput run's figure lines (``bench/figures.py goodput``: ``goodput_strict`` and ``recovery`` lines,
+    as BENCHMARKS.md, "Goodput", links them): step = the fault-free step time, snapshot = its mean cost, the final
+    save; the recoveries (with their restore phases where the lines hold them)."""
     lines = read_jsonl(Path(path))
     strict = next((r for r in lines if r.get("figure") == "goodput_strict"), None)
     if strict is None or not number(strict.get("fault_free_step_s")):

@@ -23,8 +23,8 @@ TIMEOUT_CALC_EVERY_SAVES = 10  # every 10th save: NVRx all-reduces on the traini
 KEEPALIVES_PER_TIMEOUT = 5
 """A learned ``subsequent`` timeout spans at least this many of the liveness signals a blocking save sends while it
 waits on the disk (``checkpoint.persistent.KEEPALIVE_S`` apart): NVRx's safety factor over the steps' intervals,
-applied to that cadence. Fast steps teach a timeout under the cadence itself, and a rank waiting on a slow disk was
-then restarted into the same wait (BENCHMARKS.md, session 23)."""
+applied to that cadence. Fast steps teach a timeout under the cadence itself, and a rank waiting on a slow disk
+would then be restarted into the same wait."""
 
 
 def _one_rank_has_nothing_to_synchronize() -> None:
@@ -113,9 +113,9 @@ class Heartbeat(NullHeartbeat):
         calc = getattr(self.client, "timeouts_calc", None)
         if calc is not None and dist.is_initialized() and dist.get_world_size() == 1:
             # NVRx's TimeoutsCalc.synchronize_all all-reduces the measured times on the default group even with one
-            # rank: on NCCL that made a one-rank communicator (at the second save), and every in-process abort after
-            # it tore that down (0.72-1.0 s on an H200, against 2 ms before it: BENCHMARKS.md, session 12). With one
-            # rank the maximum over the ranks is this rank's own.
+            # rank: on NCCL that makes a one-rank communicator (at the second save), and every in-process abort after
+            # it tears that down (most of a second on an H200, against milliseconds without it). With one rank the
+            # maximum over the ranks is this rank's own.
             calc.synchronize_all = _one_rank_has_nothing_to_synchronize
         with self._monitor_link("send heartbeat timeouts to"):
             learned = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)

@@ -27,7 +27,7 @@ Its one concern is the node's place in the job's rendezvous:
   ``MASTER_PORT`` (torch's ``get_free_port``: a port the kernel would give, in its ephemeral range) and frees it;
   rank 0 binds it seconds later, after its imports, and any connection opened meanwhile on the machine (or the pod)
   may have been given it as its own port: rank 0 then exits 203 (``EADDRINUSE``) and the job takes an in-job
-  restart for nothing (BENCHMARKS.md, session 23). ``bound_socket`` picks one below the ephemeral range, which no
+  restart for nothing. ``bound_socket`` picks one below the ephemeral range, which no
   connection is given.
 
 - **A node lost while the ranks are assigned stalls no one.** Past the round's completion, the agents exchange their
