@@ -32,6 +32,7 @@ from trainer.checkpoint import hostmem, reaper, reshard, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
+from trainer.checkpoint.peerauth import PeerAuth, load_secret
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy, interval_mtbf
 from trainer.checkpoint.replicas import Replicator
@@ -73,8 +74,10 @@ class CheckpointManager:
         # what it creates there itself (reaper)
         reaper.reap(self.snapshots.dir, files=False)
         reaper.record(self.snapshots.dir, env.rank)
-        self.replicas = Replicator(self.snapshots, cfg.replicas) if cfg.node_local and cfg.replicas != 0 else None
-        """The peer tier (``replicas``): None when off (``checkpoint.replicas=0``, or no node-local tier)."""
+        self.replicas = Replicator(self.snapshots, cfg.replicas, PeerAuth(load_secret(self.dir), self.snapshots.job)) \
+            if cfg.node_local and cfg.replicas != 0 else None
+        """The peer tier (``replicas``), its exchanges signed with the job's secret (``peerauth``): None when off
+        (``checkpoint.replicas=0``, or no node-local tier)."""
         self.writer = Writer()
         self.coord = Coordination(coordination_timeout_s)
         self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
@@ -361,13 +364,16 @@ class CheckpointManager:
         self.restored_from = None
 
     def _check_host_memory(self, state: dict[str, Any]) -> None:
-        """This node's slots and replicas against its node-local directory and memory limit (``hostmem``)."""
+        """This node's slots and replicas against its node-local directory and memory limit (``hostmem``); every
+        rank's slot size to the peer tier (``Replicator.expect``)."""
         if not self.cfg.node_local:
             return
         model = [local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()]
         replicas = self.cfg.memory_slots * self.replicas.count if self.replicas is not None else 0  # mirrored slots
-        hostmem.check(self.snapshots.dir, predicted_bytes(model, _SLOT_ALIGN), self.cfg.memory_slots, replicas,
-                      self.env.local_world_size)
+        slot_bytes = predicted_bytes(model, _SLOT_ALIGN)
+        if self.replicas is not None:  # FT/security: a put larger than its source's slot is refused (collective)
+            self.replicas.expect(self.coord, slot_bytes)
+        hostmem.check(self.snapshots.dir, slot_bytes, self.cfg.memory_slots, replicas, self.env.local_world_size)
 
     def _prepare_slots(self, state: dict[str, Any]) -> None:
         """Have the snapshot slots reserved in the background from the end of the first step (the first ``save``
