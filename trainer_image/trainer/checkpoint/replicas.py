@@ -190,6 +190,8 @@ class ReplicaServer:
         self.store, self.auth = store, auth
         self.listener = _listen(advertised_host())
         self.port = self.listener.getsockname()[1]
+        log.info("peer tier: replicas served at %s:%d, to requests signed with the job's secret only",
+                 self.listener.getsockname()[0], self.port)
         self.limits: list[int] = []
         """Per rank of this attempt: the bytes of its snapshot slot (``Replicator.expect``); a larger put is refused."""
         self._locks: defaultdict[int, threading.Lock] = defaultdict(threading.Lock)
