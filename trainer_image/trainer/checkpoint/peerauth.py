@@ -43,7 +43,7 @@ SECRET_SUFFIX = ".peer-secret"
 MIN_SECRET_BYTES = 32
 WINDOW_S = 300.0
 """How far a request's clock may be from the server's (nodes keep their clocks in sync to well within this)."""
-PIECE = 64 << 20
+PIECE = 16 << 20
 """Bytes per hashed piece of a snapshot: the pieces are hashed in parallel."""
 _THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _CONTEXT = b"resilient-train peer tier v1\0"
