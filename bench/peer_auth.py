@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault(replicas.ADDR_ENV, "127.0.0.1")
     print(json.dumps({"cpus": os.cpu_count(), "hash_threads": peerauth._THREADS, "piece_mib": peerauth.PIECE >> 20,
-                      "torch": torch.__version__}), flush=True)
+                      "torch": torch.__version__, "load_avg": os.getloadavg()}), flush=True)
     for mib in (int(m) for m in args.mib.split(",")):
         runs: list[dict[str, Any]] = []
         for i in range(args.runs):
@@ -145,6 +145,7 @@ def main() -> None:
         print(json.dumps({"mib": mib, "overhead_pct": {
             k: round(100 * (summary[True][k] / summary[False][k] - 1), 1) for k in ("push_s", "fetch_s")}}),
             flush=True)
+    print(json.dumps({"load_avg": os.getloadavg()}), flush=True)  # the machine's other work meanwhile
 
 
 if __name__ == "__main__":

@@ -104,14 +104,16 @@ def test_a_replayed_request_is_refused(ranks, caplog):
     source, holder = ranks
     publish(source.store, STEP)
     source.push(source.store.slots[0], STEP)
-    request = source.auth.sign("request", {"op": "get", "rank": 0, "step": STEP})
+    request = source.auth.sign("request", {"op": "get", "rank": 0, "step": STEP, "to": 1})
     answers = []
-    for _ in range(2):  # the rank's own fetch, then someone who recorded it sends it again
-        with socket.create_connection(("127.0.0.1", holder.server.port)) as sock:
+    for port in (holder.server.port, holder.server.port, source.server.port):
+        # the rank's own fetch; someone who recorded it sends it again, and to another rank's server
+        with socket.create_connection(("127.0.0.1", port)) as sock:
             replicas._send(sock, request)
             head, blob = replicas._receive(sock)
             answers.append((head.get("ok"), len(blob) > 0))
-    assert answers == [(True, True), (False, False)] and "its nonce was used before (a replay)" in caplog.text
+    assert answers == [(True, True), (False, False), (False, False)]
+    assert "its nonce was used before (a replay)" in caplog.text and "addressed to rank 1, not this one" in caplog.text
 
 
 def test_a_put_larger_than_the_sources_slot_is_refused_before_a_byte_is_reserved(ranks, caplog):

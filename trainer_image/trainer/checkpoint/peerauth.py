@@ -10,8 +10,9 @@ are derived from it and the job key (``slots.job_key``), so two jobs that share 
 
 **Messages.** Every request, reply and trailer of the protocol carries a nonce, the sender's clock and an
 HMAC-SHA256 over its JSON head (canonical form), its kind and the SHA-256 of its blob (a snapshot's header). A
-reply and a trailer name the request's nonce (``re``), so neither can be replayed into another exchange; a server
-refuses a request whose clock is more than ``WINDOW_S`` off or whose nonce it has seen.
+reply and a trailer name the request's nonce (``re``), so neither can be replayed into another exchange; a request
+names the rank it is for, and a server refuses one for another rank, one whose clock is more than ``WINDOW_S`` off,
+or one whose nonce it has seen.
 
 **Seals.** A snapshot's bytes are hashed while they are sent and while they are received (SHA-256 of each
 ``PIECE``, on a few threads, then of the pieces' digests: ``Digest``); the seal is an HMAC over the job, source

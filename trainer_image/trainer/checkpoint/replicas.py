@@ -227,7 +227,8 @@ class ReplicaServer:
             try:
                 conn.settimeout(_TIMEOUT_S)
                 head, blob = _receive(conn)
-                why = self.auth.check("request", head, blob) or self.auth.fresh(head)
+                why = self.auth.check("request", head, blob) or self.auth.fresh(head) or (
+                    "" if head.get("to") == self.store.rank else f"addressed to rank {head.get('to')}, not this one")
                 if why:  # FT/security: nothing is read, written or served for it
                     log.warning("peer tier: refused a request from %s: %s; nothing served or written", peer, why)
                     _send(conn, {"ok": False, "why": "refused: not signed with this job's secret"})
@@ -419,7 +420,7 @@ class Replicator:
                  blob: bytes = b"") -> Iterator[tuple[_Exchange, dict[str, Any], bytes]]:
         """A signed request to ``holder``'s server, and its signed reply (``_Refused`` for any other)."""
         with socket.create_connection(self.addresses[holder], timeout=_TIMEOUT_S) as sock:
-            request = self.auth.sign("request", head, blob)
+            request = self.auth.sign("request", {**head, "to": holder}, blob)  # not to be replayed to another rank
             _send(sock, request, blob)
             exchange = _Exchange(sock, self.auth, request["nonce"])
             yield (exchange, *exchange.receive("reply"))
