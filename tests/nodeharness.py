@@ -3,9 +3,10 @@
 Each node gets ``PET_NNODES``, its own ``PET_NODE_RANK``, the job's ``MASTER_ADDR``/``MASTER_PORT``, an address of its
 own (``FT_LOCAL_ADDR`` and ``TRAINER_REPLICA_ADDR``, where its replica servers listen: 127.0.0.<rank + 1>, as pods
 have their own) and its own ``--checkpoint.node_local_dir`` (its pod's memory ``emptyDir``); every node shares the
-run directory (the shared volume), and the job's secret beside its checkpoints, which the first rank makes. A node runs in a session of its own, so losing it (``lose``) SIGKILLs its entrypoint, launcher, workers
-and their helpers at once and removes its node-local directory, as a drained node takes its pod and its memory
-with it; ``start`` again with the same node rank is the replacement pod.
+run directory (the shared volume), and the job's secret beside its checkpoints, which the first rank makes. A node
+runs in a process session of its own, so losing it (``lose``) SIGKILLs its entrypoint, launcher, workers and their
+helpers at once and removes its node-local directory, as a drained node takes its pod and its memory with it;
+``start`` again with the same node rank is the replacement pod.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def ensure(core: k8s.CoreV1Api, networking: k8s.NetworkingV1Api, job: Mapping[st
         for _ in range(RECREATE_TRIES):
             try:
                 create(namespace, manifest, _request_timeout=timeout_s)
-                log.info("created %s %s/%s, owned by %s %s", kind, namespace, name, job["kind"], job["metadata"]["name"])
+                log.info("created %s %s/%s, owned by %s %s", kind, namespace, name, job["kind"],
+                         job["metadata"]["name"])
                 break
             except ApiException as exc:
                 if exc.status != HTTP_CONFLICT:

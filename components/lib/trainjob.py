@@ -23,9 +23,9 @@ Two resources, both built only from the ``kubeflow_trainer_api`` models (PyPI ``
   references the runtime: image, args, nodes, ranks per node, resources and env in ``spec.trainer``; the
   per-run volume (PVC name, /dev/shm size), the job's Secret (volume and the ``node`` container's read-only mount:
   `components.lib.jobsecret`; the launcher makes the Secret, owned by the TrainJob: `components.lib.k8s_guard`),
-  node selector, tolerations, service account and image pull secrets in a ``runtimePatches`` entry of ours; with a `ModelInitializer`, ``spec.initializer.model`` (storage
-  URI, the workspace directory, credentials as optional ``secretKeyRef`` env under the initializer's names:
-  `MODEL_INITIALIZER_ENV`) on ``MODEL_RUNTIME_NAME``.
+  node selector, tolerations, service account and image pull secrets in a ``runtimePatches`` entry of ours; with a
+  `ModelInitializer`, ``spec.initializer.model`` (storage URI, the workspace directory, credentials as optional
+  ``secretKeyRef`` env under the initializer's names: `MODEL_INITIALIZER_ENV`) on ``MODEL_RUNTIME_NAME``.
 
 The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend), JobSet v0.12 (the
 version Trainer v2.3 installs):

@@ -119,7 +119,8 @@ def validate_pytorchjob(obj: dict) -> None:
 
 def validate_object(obj: dict) -> None:
     """Validate one rendered object: core kinds against Kubernetes' OpenAPI (strict: unknown fields fail; Secret
-    and NetworkPolicy against the schemas vendored from it), PyTorchJob against its CRD, Kueue's LocalQueue structurally (its CRD is not vendored here)."""
+    and NetworkPolicy against the schemas vendored from it), PyTorchJob against its CRD, Kueue's LocalQueue
+    structurally (its CRD is not vendored here)."""
     kind, api_version = obj.get("kind"), obj.get("apiVersion", "")
     if (api_version, kind) in CRD_OF:
         validate_custom(obj)

@@ -3,8 +3,8 @@
 
 `_Handler` serves, for the stub's backend, ``kubeflow.org/v1`` ``pytorchjobs`` or
 ``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (create/get/list/watch/delete), ``pods`` list,
-``pods/log`` (follow), ``secrets`` and ``networkpolicies`` (create/get/delete) from the state the `StubCluster` (``self.server.stub``) keeps, and records every
-request as (method, path, (apiGroup, resource, verb)).
+``pods/log`` (follow), ``secrets`` and ``networkpolicies`` (create/get/delete) from the state the `StubCluster`
+(``self.server.stub``) keeps, and records every request as (method, path, (apiGroup, resource, verb)).
 """
 
 from __future__ import annotations

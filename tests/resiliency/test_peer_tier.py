@@ -7,7 +7,8 @@ One run takes three node losses in turn, so the suite pays for one start:
 2. once the persistent tier holds a step, an outsider (``peerlib``: the job key, no secret or another job's) at
    every node's replica server gets nothing and writes nothing; then a node lost and the replicas its holder keeps
    of it corrupted (flipped bytes) before the replacement pod starts: the replica is refused (its source's seal)
-   and that rank reads the next tier, the disk (with no step on disk every rank would start over from a fresh state: ``test_tiers``);
+   and that rank reads the next tier, the disk (with no step on disk every rank would start over from a fresh
+   state: ``test_tiers``);
 3. a node and the node holding its replicas lost together: the first's rank reads the persistent tier (one line
    says why), the second's fetches its replica from the third node.
 The run ends bit-identical to a fault-free run of the same three ranks. Each loss's step is drawn anew each run (0
