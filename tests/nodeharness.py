@@ -1,11 +1,12 @@
 """Several nodes on one machine: one ``entrypoint.sh`` per node, as a PyTorchJob runs one per pod.
 
 Each node gets ``PET_NNODES``, its own ``PET_NODE_RANK``, the job's ``MASTER_ADDR``/``MASTER_PORT``, an address of its
-own (``FT_LOCAL_ADDR``: 127.0.0.<rank + 1>, as pods have their own) and its own ``--checkpoint.node_local_dir`` (its
-pod's memory ``emptyDir``); every node shares the run directory (the shared
-volume). A node runs in a session of its own, so losing it (``lose``) SIGKILLs its entrypoint, launcher, workers
-and their helpers at once and removes its node-local directory, as a drained node takes its pod and its memory
-with it; ``start`` again with the same node rank is the replacement pod.
+own (``FT_LOCAL_ADDR`` and ``TRAINER_REPLICA_ADDR``, where its replica servers listen: 127.0.0.<rank + 1>, as pods
+have their own) and its own ``--checkpoint.node_local_dir`` (its pod's memory ``emptyDir``); every node shares the
+run directory (the shared volume), and the job's secret beside its checkpoints, which the first rank makes. A node
+runs in a process session of its own, so losing it (``lose``) SIGKILLs its entrypoint, launcher, workers and their
+helpers at once and removes its node-local directory, as a drained node takes its pod and its memory with it;
+``start`` again with the same node rank is the replacement pod.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Cluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PET_NNODES": str(self.nnodes),
                "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": str(self.nproc), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(self.port), "FT_LOCAL_ADDR": f"127.0.0.{rank + 1}", **self.env, **(extra_env or {})}
+               "MASTER_PORT": str(self.port), "FT_LOCAL_ADDR": f"127.0.0.{rank + 1}",
+               "TRAINER_REPLICA_ADDR": f"127.0.0.{rank + 1}", **self.env, **(extra_env or {})}
         cmd = [str(ENTRYPOINT), *self.args, f"--data.path={self.dataset}", f"--train.run_dir={self.run_dir}",
                f"--checkpoint.node_local_dir={memory}"]
         self.base.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,15 @@
 #                                       local rank. Default True only where an NVIDIA driver is present
 #   TRAINER_COMPILE_AHEAD               0 turns off compiling the run's Triton kernels beside ft_launcher's start
 #                                       (trainer/compile_ahead.py; on by default where an NVIDIA device is present)
+#   TRAINER_JOB_SECRET_FILE             a file holding the job's secret, with which every request, reply and replica of
+#                                       the peer tier is signed (trainer/checkpoint/peerauth.py). The launch step mounts
+#                                       the job's own Secret and sets it; the local launcher writes one per launch.
+#                                       Unset: the first rank makes <checkpoint.dir>.peer-secret (0600) beside the
+#                                       shared checkpoint directory, and every node reads that one
+#   TRAINER_REPLICA_ADDR                this node's address for the peer tier: its replica servers listen there only,
+#                                       and the other nodes connect to it (the pod's IP in the launch step's
+#                                       manifests; 127.0.0.<k+1> for several local nodes). Default: this host name's
+#                                       address
 #   PYTORCH_ALLOC_CONF                  the CUDA caching allocator's settings; default expandable_segments:True
 #                                       when neither it nor PYTORCH_CUDA_ALLOC_CONF is set (empty counts as unset)
 #

@@ -40,6 +40,9 @@ suspend flag is, how restarts show).
 - **loud**: every state transition is logged; the rank-0 pod's log (PyTorchJob Master, TrainJob node 0)
   is followed into stdout (``[<pod>] line``) in a background thread, re-attached when a restart replaces
   the pod (`components.lib.k8s_logs`).
+- **closes the job off**: right after the job, its Secret (the peer tier's secret, mounted into every pod) and a
+  NetworkPolicy admitting ingress to its pods only from its own pods, both owned by the job, so deleted with it
+  (`components.lib.k8s_guard`); attaching adopts them, one left by an earlier job of the name is replaced.
 - **cleans up**: any other way out of `run` — deadline, restart budget, SIGTERM when the pipeline is
   cancelled, an unexpected error — deletes the job. `delete` (idempotent) serves the exit handler.
 
@@ -64,6 +67,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 from kubernetes.watch import Watch
 
+from components.lib import k8s_guard
 from components.lib.k8s_kinds import (
     FAILED,
     PYTORCHJOB,
@@ -338,17 +342,32 @@ class JobLauncher:
             log.error("could not delete %s %s/%s (%s); the exit handler or its activeDeadlineSeconds "
                       "will end it", self.kind.kind, namespace, name, exc)
 
-    def _create(self, manifest: Mapping[str, Any]) -> None:
+    def _create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create the job, then its Secret and NetworkPolicy (``k8s_guard``: owned by it, so it needs its uid)."""
         meta, k = manifest["metadata"], self.kind
         try:
-            self._custom.create_namespaced_custom_object(k.group, k.version, meta["namespace"], k.plural, manifest,
-                                                         _request_timeout=self._t.request_timeout_s)
+            job = self._custom.create_namespaced_custom_object(k.group, k.version, meta["namespace"], k.plural,
+                                                               manifest, _request_timeout=self._t.request_timeout_s)
         except ApiException as exc:
             if exc.status == HTTP_CONFLICT:
                 raise
             raise InvalidJobError(f"the API server refused {k.kind} {meta['namespace']}/{meta['name']}: "
                                   f"HTTP {exc.status} {exc.reason}: {exc.body}") from exc
         log.info("created %s %s/%s", k.kind, meta["namespace"], meta["name"])
+        self._guard(job)
+        return job
+
+    def _guard(self, job: Mapping[str, Any]) -> None:
+        """The job's Secret and NetworkPolicy (``k8s_guard``), created or adopted; a refusal fails the launch (the
+        caller deletes the job: its pods would wait for the Secret)."""
+        try:
+            k8s_guard.ensure(self._core, k8s.NetworkingV1Api(self._core.api_client), job, job["metadata"].get("labels")
+                             or {}, self.kind.pods_selector(job["metadata"]["name"]), self._t.request_timeout_s,
+                             self._t.poll_s)
+        except ApiException as exc:
+            raise LauncherError(f"the job's Secret or NetworkPolicy could not be made: HTTP {exc.status} {exc.reason}"
+                                f": the launcher's Role needs create, get and delete on secrets and networkpolicies "
+                                f"(deploy/base/rbac.yaml)") from exc
 
     def _submit(self, manifest: Mapping[str, Any], tracker: _JobTracker) -> dict[str, Any] | None:
         """Create the job, or attach to it; return the job if it already succeeded, else None."""
@@ -381,6 +400,7 @@ class JobLauncher:
         if state == k.succeeded:
             tracker.observe(existing)
             return existing
+        self._guard(existing)  # made when it was created, unless that launcher stopped in between
         return None
 
     def _wait_gone(self, name: str, namespace: str) -> None:

@@ -15,7 +15,9 @@
 
 Several nodes on one machine get what pods would: ``PET_NNODES``, their own ``PET_NODE_RANK``, the same
 ``MASTER_ADDR``/``MASTER_PORT``, an address each (``FT_LOCAL_ADDR`` 127.0.0.<k+1>: the rendezvous keeps a node's
-ranks by it) and their own ``--checkpoint.node_local_dir`` (the pod's memory).
+ranks by it; the node's replica servers listen there too) and their own ``--checkpoint.node_local_dir`` (the pod's
+memory). Every node of a launch gets the same job secret for its peer tier (``components.lib.jobsecret``): a 0600
+file in the launch's temporary directory.
 
 The entrypoint runs in its own session with a marker in its environment; every process it starts
 inherits both. Any way out of `run` other than a normal exit (deadline, SIGTERM when the pipeline is
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import TextIO
 
 import components
+from components.lib.jobsecret import REPLICA_ADDR_ENV, SECRET_FILE_ENV, write_secret_file
 from components.lib.signals import sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -310,6 +313,8 @@ class _Run:
         self.replaced = 0
         self.log_file: TextIO | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix=f"train-launch-{number}."))
+        self.secret = write_secret_file(self.tmp)
+        """The job's secret (``jobsecret``): in the launch's own 0700 directory, gone with it."""
         self.pods = spec.nodes + spec.spare_nodes
         self.spares = spec.spare_nodes
         """Spares waiting in the rendezvous: one fewer per node lost while the others run, one more per replacement."""
@@ -402,6 +407,7 @@ class _Run:
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.port),
+            SECRET_FILE_ENV: str(self.secret),  # every node of the launch signs its peer tier with it
             **spec.env,
             "PET_NNODES": str(self.pods),
             **({"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes or spec.elastic else {}),
@@ -416,7 +422,7 @@ class _Run:
         }
         args = list(spec.args)
         if several:  # what a pod of its own would have: an address, and memory of its own (empty in a new pod)
-            env["FT_LOCAL_ADDR"] = f"127.0.0.{node + 1}"
+            env["FT_LOCAL_ADDR"] = env[REPLICA_ADDR_ENV] = f"127.0.0.{node + 1}"
             args.append(f"--checkpoint.node_local_dir={self.memory}/node{node}.{incarnation}")
         proc = subprocess.Popen(  # noqa: S603 - an argument list, never a shell string
             [str(self.entrypoint), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -20,7 +20,9 @@ env it gets (pkg/controller.v1/pytorch/envvar.go, master.go): ``PET_NNODES`` (Ma
 is both the Master pod's host name (so its launcher hosts the rendezvous store) and a headless Service the
 operator keeps selecting index 0 of the Master (so it resolves to the replacement pod once that is ready). This
 module adds ``FT_LOCAL_ADDR`` = the pod's name (downward API): the node's address in the rendezvous, the same for
-every pod of an index, resolvable through that index's Service.
+every pod of an index, resolvable through that index's Service; ``TRAINER_REPLICA_ADDR`` = the pod's IP, where its
+replica servers listen; and the job's Secret (``<job>-peer-secret``, made by the launcher once the job exists:
+`components.lib.k8s_guard`) mounted read-only, named by ``TRAINER_JOB_SECRET_FILE`` (`components.lib.jobsecret`).
 
 A pod whose node is lost: the node controller taints the node ``node.kubernetes.io/unreachable`` (or
 ``not-ready``) ``NoExecute``, and the pod is evicted (deleted) once its toleration of that taint runs out. Every
@@ -60,6 +62,7 @@ from kubeflow.training import (
 from kubernetes import client as k8s
 
 from components.lib.credentials import TRAINER_ENV
+from components.lib.jobsecret import REPLICA_ADDR_ENV, SECRET_FILE_ENV, peer_env, secret_mount, secret_volume
 
 ENTRYPOINT = "/opt/app/trainer_image/entrypoint.sh"
 IMAGE_UID = 1000  # the non-root user trainer_image/Dockerfile creates and runs as
@@ -115,7 +118,7 @@ _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 # Set by the training-operator (rendezvous) or by this module; a user value would be overwritten.
 RESERVED_ENV = frozenset(
     {FT_MAX_RESTARTS_ENV, NODE_NAME_ENV, LOCAL_ADDR_ENV, NODES_ENV, MIN_NODES_ENV, "MASTER_ADDR", "MASTER_PORT",
-     "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED"}
+     "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED", SECRET_FILE_ENV, REPLICA_ADDR_ENV}
 )
 RESERVED_ENV_PREFIX = "PET_"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -338,7 +341,8 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
            # the rendezvous address: the pod's name <job>-<type>-<i>, the same in a replacement pod, and the name of
            # the headless Service the operator makes for that index (other pods resolve it)
            k8s.V1EnvVar(name=LOCAL_ADDR_ENV, value_from=k8s.V1EnvVarSource(
-               field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))]
+               field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name"))),
+           *peer_env(k8s)]
     if spec.spare_nodes or spec.elastic:  # the rendezvous's max: the operator counts every pod in PET_NNODES
         env.append(k8s.V1EnvVar(name=NODES_ENV, value=str(spec.nodes)))
     if spec.elastic:  # the rendezvous's min: entrypoint.sh runs the launcher with --nnodes MIN:MAX
@@ -347,7 +351,8 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
     if spec.credentials_secret:  # for the base model's download (trainer model.from_hf=hf://..., s3://...)
         env += [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
             name=spec.credentials_secret, key=key, optional=True))) for key, name in TRAINER_ENV.items()]
-    mounts = [k8s.V1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH)]
+    mounts = [k8s.V1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH),
+              secret_mount(k8s)]
     if spec.pvc_name:
         mounts.append(k8s.V1VolumeMount(name=SHARED_VOLUME, mount_path=spec.mount_path))
     return k8s.V1Container(
@@ -366,7 +371,8 @@ def _container(spec: TrainJobSpec) -> k8s.V1Container:
 
 def _pod_template(spec: TrainJobSpec) -> k8s.V1PodTemplateSpec:
     volumes = [k8s.V1Volume(name=SHM_VOLUME, empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory",
-                                                                                size_limit=spec.shm_size))]
+                                                                                size_limit=spec.shm_size)),
+               secret_volume(k8s, spec.name)]
     if spec.pvc_name:
         volumes.append(k8s.V1Volume(
             name=SHARED_VOLUME,

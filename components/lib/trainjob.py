@@ -21,10 +21,11 @@ Two resources, both built only from the ``kubeflow_trainer_api`` models (PyPI ``
   ``STORAGE_URI`` fails), so a dataset initializer would force each job to download a dataset it never reads.
 - `build_trainjob` turns the same `TrainJobSpec` the PyTorchJob backend takes into a ``TrainJob`` that
   references the runtime: image, args, nodes, ranks per node, resources and env in ``spec.trainer``; the
-  per-run volume (PVC name, /dev/shm size), node selector, tolerations, service account and image pull
-  secrets in a ``runtimePatches`` entry of ours; with a `ModelInitializer`, ``spec.initializer.model`` (storage
-  URI, the workspace directory, credentials as optional ``secretKeyRef`` env under the initializer's names:
-  `MODEL_INITIALIZER_ENV`) on ``MODEL_RUNTIME_NAME``.
+  per-run volume (PVC name, /dev/shm size), the job's Secret (volume and the ``node`` container's read-only mount:
+  `components.lib.jobsecret`; the launcher makes the Secret, owned by the TrainJob: `components.lib.k8s_guard`),
+  node selector, tolerations, service account and image pull secrets in a ``runtimePatches`` entry of ours; with a
+  `ModelInitializer`, ``spec.initializer.model`` (storage URI, the workspace directory, credentials as optional
+  ``secretKeyRef`` env under the initializer's names: `MODEL_INITIALIZER_ENV`) on ``MODEL_RUNTIME_NAME``.
 
 The exit-code contract as a failure policy (FT: the cluster recovery layer for this backend), JobSet v0.12 (the
 version Trainer v2.3 installs):
@@ -74,6 +75,7 @@ from typing import Any
 import yaml
 from kubeflow_trainer_api import models as m
 
+from components.lib.jobsecret import peer_env, secret_mount, secret_volume
 from components.lib.local_launcher import RETRYABLE_MIN
 from components.lib.params import DEFAULTS, MAX_RESTARTS, SHARED_MOUNT
 from components.lib.pytorchjob import (
@@ -311,9 +313,16 @@ def _runtime_patch(spec: TrainJobSpec) -> m.TrainerV1alpha1RuntimePatch:
     volumes = _volumes(str(spec.pvc_name), spec.shm_size)
     if spec.model_initializer is not None:  # the run's PVC behind /workspace too
         volumes.append(_initializer_volume(str(spec.pvc_name)))
+    volumes.append(secret_volume(m, spec.name))
+    # the node container's mounts: the runtime's, and the job's Secret (read-only: `components.lib.jobsecret`)
+    mounts = [m.IoK8sApiCoreV1VolumeMount(name=SHM_VOLUME, mount_path=SHM_PATH),
+              m.IoK8sApiCoreV1VolumeMount(name=SHARED_VOLUME, mount_path=SHARED_MOUNT), secret_mount(m)]
+    if spec.model_initializer is not None:
+        mounts.insert(2, _workspace_mount())
     pod = m.TrainerV1alpha1PodTemplatePatch(
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(labels=_labels(spec)),
         spec=m.TrainerV1alpha1PodSpecPatch(
+            containers=[m.TrainerV1alpha1ContainerPatch(name=NODE, volume_mounts=mounts)],
             volumes=volumes, node_selector=dict(spec.node_selector) or None,
             tolerations=tolerations, service_account_name=spec.service_account,
             image_pull_secrets=[m.IoK8sApiCoreV1LocalObjectReference(name=n) for n in spec.image_pull_secrets]
@@ -366,7 +375,8 @@ def build_trainjob(spec: TrainJobSpec, runtime: str | None = None) -> m.TrainerV
     runtime = runtime or (MODEL_RUNTIME_NAME if init else RUNTIME_NAME)
     env = [m.IoK8sApiCoreV1EnvVar(name=FT_MAX_RESTARTS_ENV, value=str(spec.ft_max_restarts)),
            m.IoK8sApiCoreV1EnvVar(name=NODE_NAME_ENV, value_from=m.IoK8sApiCoreV1EnvVarSource(
-               field_ref=m.IoK8sApiCoreV1ObjectFieldSelector(field_path="spec.nodeName")))]
+               field_ref=m.IoK8sApiCoreV1ObjectFieldSelector(field_path="spec.nodeName"))),
+           *peer_env(m)]
     if spec.spare_nodes or spec.elastic:  # the rendezvous's max: numNodes counts the spares too
         env.append(m.IoK8sApiCoreV1EnvVar(name=NODES_ENV, value=str(spec.nodes)))
     if spec.elastic:  # the rendezvous's min: entrypoint.sh runs the launcher with --nnodes MIN:MAX

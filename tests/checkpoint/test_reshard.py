@@ -6,6 +6,7 @@ held on this node), from a one-rank state split along dim 0 the way FSDP2 shards
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from statelib import assert_equal, make_state, manager, pg, snapshot, train_step
 from trainer.checkpoint import committed_steps
 from trainer.checkpoint.chunked import checksum
 from trainer.checkpoint.layout import Piece, piece_record
+from trainer.checkpoint.peerauth import file_digest
 from trainer.checkpoint.slots import SNAPSHOT_FORMAT, SNAPSHOT_VERSION, map_views, plan_layout
 from trainer.checkpoint.state import local_tensors
 
@@ -50,6 +52,10 @@ def publish_as(mgr, state: dict, step: int, world: int, names: dict[int, str]) -
                     "checksum": checksum(buffer), "layout": {k: [d, o, list(s)] for k, (d, o, s) in layout.items()},
                     "pieces": {k: piece_record(p) for k, p in mine.items()}, "payload": payload},
                    mgr.snapshots.dir / f"{stem}.meta")
+        if names[rank].startswith("peer-"):  # a replica as its holder keeps it: with its source's seal
+            digest = file_digest(mgr.snapshots.dir / f"{stem}.data", nbytes)
+            seal = mgr.replicas.auth.seal(rank, step, nbytes, (mgr.snapshots.dir / f"{stem}.meta").read_bytes(), digest)
+            (mgr.snapshots.dir / f"{stem}.seal").write_text(json.dumps({"digest": digest, "seal": seal}))
 
 
 def test_a_two_rank_snapshot_on_this_node_restores_one_rank_without_the_disk(tmp_path: Path, pg, caplog):
@@ -76,7 +82,7 @@ def test_a_two_rank_snapshot_on_this_node_restores_one_rank_without_the_disk(tmp
 
 @pytest.mark.parametrize("spoil, why", [
     ("missing", None),  # rank 1's replica is not on this node: nothing to cut step 3 from, step 2 is restored
-    ("flipped", "checksum mismatch"),
+    ("flipped", "does not match its seal (altered on disk)"),  # its source's seal, checked before its checksum
 ])
 def test_an_incomplete_or_corrupt_old_world_falls_back_to_the_other_tiers(tmp_path: Path, pg, caplog, spoil, why):
     state = make_state()

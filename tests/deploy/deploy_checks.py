@@ -14,6 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from core_schemas import CORE, validate_core
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -117,11 +118,14 @@ def validate_pytorchjob(obj: dict) -> None:
 
 
 def validate_object(obj: dict) -> None:
-    """Validate one rendered object: core kinds against Kubernetes' OpenAPI (strict: unknown fields fail),
-    PyTorchJob against its CRD, Kueue's LocalQueue structurally (its CRD is not vendored here)."""
+    """Validate one rendered object: core kinds against Kubernetes' OpenAPI (strict: unknown fields fail; Secret
+    and NetworkPolicy against the schemas vendored from it), PyTorchJob against its CRD, Kueue's LocalQueue
+    structurally (its CRD is not vendored here)."""
     kind, api_version = obj.get("kind"), obj.get("apiVersion", "")
     if (api_version, kind) in CRD_OF:
         validate_custom(obj)
+    elif (api_version, kind) in CORE:  # the kinds the launch step creates beside a job, vendored (core_schemas)
+        validate_core(obj)
     elif kind == "LocalQueue" and api_version.startswith("kueue.x-k8s.io/"):
         validate_localqueue(obj)
     else:

@@ -17,13 +17,17 @@ STUB = REPO / "tests" / "launcher" / "k8s_stub.py"
 CLUSTER_WIDE = {"ClusterRole", "ClusterRoleBinding"}
 RUNS_AS = "default-editor"  # the Kubeflow profile's ServiceAccount that pipeline steps run as
 #: What a Kubeflow profile owner holds in the namespace (ClusterRole kubeflow-admin, which aggregates
-#: kubeflow-edit: Kubernetes' pods and pods/log through kubeflow-kubernetes-edit/view, the training-operator's
-#: pytorchjobs, Trainer v2's trainjobs), for the resources the launcher touches. Kubernetes lets a user create a
+#: kubeflow-edit: Kubernetes' pods, pods/log, secrets and networkpolicies through kubeflow-kubernetes-edit/view
+#: (kubeflow/manifests common/kubeflow-roles), the training-operator's pytorchjobs, Trainer v2's trainjobs), for the
+#: resources the launcher touches. Kubernetes lets a user create a
 #: Role only with permissions they hold themselves (RBAC escalation check), so the Role must stay inside this.
 #: JobSets are not in it: Trainer v2 aggregates no jobsets rule into kubeflow-edit/admin.
 PROFILE_OWNER_HOLDS = {
     ("", "pods"): {"get", "list", "watch", "create", "delete", "deletecollection", "patch", "update"},
     ("", "pods/log"): {"get", "list", "watch"},
+    ("", "secrets"): {"get", "list", "watch", "create", "delete", "deletecollection", "patch", "update"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "delete", "deletecollection",
+                                               "patch", "update"},
     ("kubeflow.org", "pytorchjobs"): {"get", "list", "watch", "create", "delete", "deletecollection", "patch",
                                       "update"},
     ("trainer.kubeflow.org", "trainjobs"): {"get", "list", "watch", "create", "delete", "deletecollection",

@@ -88,7 +88,9 @@ def test_trainjob_validates_and_carries_the_run(case):
     # the rendezvous's size (its max): the rest wait as spares; its min when elastic (entrypoint: --nnodes MIN:MAX)
     nodes = {"TRAINER_NODES": str(spec.nodes)} if spec.spare_nodes or elastic else {}
     nodes |= {"TRAINER_MIN_NODES": str(spec.min_nodes)} if elastic else {}
-    assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **nodes, **spec.env}
+    # and the peer tier's secret, mounted from the job's Secret (tests/deploy/test_job_guard.py)
+    assert env == {"FT_MAX_RESTARTS": str(spec.ft_max_restarts), **nodes, **spec.env,
+                   "TRAINER_JOB_SECRET_FILE": "/var/run/secrets/resilient-train/peer-secret"}
     assert "elasticPolicy" not in body and "elasticPolicy" not in t  # Trainer v2 has none: the entrypoint's range
     assert t["resourcesPerNode"].get("limits", {}).get("nvidia.com/gpu") == (
         str(spec.gpus_per_node) if spec.gpus_per_node else None)
@@ -243,6 +245,7 @@ def test_elastic_trainjob_carries_the_node_range_in_the_trainer_env():
     t = manifest["spec"]["trainer"]
     assert t["numNodes"] == 6
     values = [(e["name"], e.get("value")) for e in t["env"]]
-    assert [v for v in values if v[0].startswith("TRAINER_")] == [("TRAINER_NODES", "4"), ("TRAINER_MIN_NODES", "3")]
+    ranges = ("TRAINER_NODES", "TRAINER_MIN_NODES")
+    assert [v for v in values if v[0] in ranges] == [("TRAINER_NODES", "4"), ("TRAINER_MIN_NODES", "3")]
     plain = trainjob.to_manifest(trainjob.build_trainjob(spec_for("trainjob", nodes=4, min_nodes=4)))
-    assert not [e for e in plain["spec"]["trainer"]["env"] if e["name"].startswith("TRAINER_")]
+    assert not [e for e in plain["spec"]["trainer"]["env"] if e["name"] in ranges]

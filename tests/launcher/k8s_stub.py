@@ -3,8 +3,9 @@
 `StubCluster` serves, on 127.0.0.1 (a free port, `http.server.ThreadingHTTPServer` in a thread), just
 what `components.lib.k8s_launcher` calls, for one backend: ``kubeflow.org/v1`` ``pytorchjobs`` or
 ``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (namespaced create/get/list/watch (``?watch=true``, chunked
-JSON lines)/delete); ``pods`` list; ``pods/log`` (follow, chunked). A `Scenario` plays the operator:
-after each create it applies its actions in order (conditions, rank-0 pods that start, log and exit), and
+JSON lines)/delete); ``pods`` list; ``pods/log`` (follow, chunked); ``secrets`` and ``networkpolicies``
+(create/get/delete; deleted with the job that owns them, as the garbage collector does). A `Scenario` plays the
+operator: after each create it applies its actions in order (conditions, rank-0 pods that start, log and exit), and
 it scripts watch disconnects, ``410 Gone`` and a pre-existing job from an earlier attempt.
 
 The actions are written once for both backends; the stub's `_Flavour` says how each operator shows them.
@@ -25,6 +26,7 @@ list typed by hand.
 
 from __future__ import annotations
 
+import base64
 import io
 import itertools
 import json
@@ -41,12 +43,14 @@ from kubernetes import client as k8s
 
 from k8s_stub_http import WAIT_SLICE_S, _Handler
 
-from components.lib import trainjob
+from components.lib import k8s_guard, trainjob
 from components.lib.k8s_launcher import JobLauncher, LauncherError, LauncherTimings, PyTorchJobLauncher, TrainJobLauncher
 from components.lib.pytorchjob import TrainJobSpec, job_name
 
 STEP_DELAY_S = 0.05
 """Pause between two scenario actions, so the launcher sees each state."""
+COMPANIONS_WAIT_S = 5.0
+"""How long a created job's "operator" waits for the job's Secret and NetworkPolicy before it plays its actions."""
 DELETE_DELAY_S = 0.2
 """How long a foreground-deleted job lingers with a deletionTimestamp."""
 FAST_TIMINGS = LauncherTimings(watch_timeout_s=2, request_timeout_s=5.0, stream_grace_s=2.0, deadline_margin_s=1.0,
@@ -156,6 +160,12 @@ class Scenario:
     delete_delay_s: float = DELETE_DELAY_S
     suspend_on_create: bool = False
     """A created job arrives with its suspend flag set, as Kueue's webhook sets it for a queued job."""
+    companions: str = ""
+    """With `existing_state`: the existing job's Secret and NetworkPolicy exist too, owned by it (``own``, a launcher
+    that attaches adopts them), or left by an earlier job of the name (``stale``, replaced); put them with
+    `StubCluster.put_companions`."""
+    forbidden: tuple[str, ...] = ()
+    """Resources the launcher's account may not touch (HTTP 403), e.g. ``("secrets",)``."""
     lockstep: bool = False
     """Each action waits until a watch of jobs is open and has no event in flight, so every status change
     reaches a watch (never a list), however slow the machine: tests that count watches need this."""
@@ -244,6 +254,9 @@ class StubCluster:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.logs: dict[str, _PodLog] = {}
         self.events: list[tuple[int, str, dict[str, Any]]] = []
+        self.owned: dict[tuple[str, str, str], dict[str, Any]] = {}
+        """(resource, namespace, name) -> a Secret or NetworkPolicy; the garbage collector deletes those a removed job
+        owns."""
         self.requests: list[tuple[str, str, tuple[str, str, str]]] = []
         self.created: list[str] = []
         self.deleted: list[tuple[str, bool]] = []
@@ -306,6 +319,9 @@ class StubCluster:
         return job
 
     def _play(self, ns: str, name: str, uid: str) -> None:
+        # the pods start once the job's Secret exists (they mount it); the launcher makes it and the policy next
+        self.wait_for(lambda: sum(uid in {r["uid"] for r in o["metadata"].get("ownerReferences", [])}
+                                  for o in self.owned.values()) >= 2 or self.stopping.is_set(), COMPANIONS_WAIT_S)
         for action in self.scenario.actions:
             time.sleep(self.scenario.step_delay_s)
             with self.changed:
@@ -474,6 +490,26 @@ class StubCluster:
                 self.logs[self.pods.pop(key)["metadata"]["uid"]].closed = True
             del self.jobs[(ns, name)]
             self._bump("DELETED", job)
+            for key in [k for k, o in self.owned.items()
+                        if uid in {ref["uid"] for ref in o["metadata"].get("ownerReferences", [])}]:
+                del self.owned[key]  # the garbage collector: what the job owned goes with it
+
+    def stored(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` as the API server stores a created object: a uid, a resourceVersion, a Secret's data base64."""
+        obj = json.loads(json.dumps(body))
+        obj["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion=str(next(self._rv)))
+        if obj.get("kind") == "Secret" and "stringData" in obj:
+            obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in obj.pop("stringData").items()}
+        return obj
+
+    def put_companions(self, job: dict[str, Any], owner_uid: str) -> None:
+        """The job's Secret and NetworkPolicy as the launcher makes them, owned by the object of ``owner_uid``."""
+        owner = {**job, "metadata": {**job["metadata"], "uid": owner_uid}}
+        for obj in k8s_guard.manifests(owner, {}, self.flavour.launcher.kind.pods_selector(job["metadata"]["name"])):
+            meta = obj["metadata"]
+            with self.changed:
+                resource = {"Secret": "secrets", "NetworkPolicy": "networkpolicies"}[obj["kind"]]
+                self.owned[(resource, meta["namespace"], meta["name"])] = self.stored(obj)
 
     def state_of(self, ns: str, name: str) -> list[str]:
         """Types of the job's true conditions; [] when the job does not exist."""
@@ -501,8 +537,8 @@ def representative_runs() -> Iterator[tuple[str, Scenario, TrainJobSpec]]:
 
     yield "succeeds", Scenario(succeeding("step 1", "step 2")), spec("ok")
     yield "fails", Scenario(failing("exit 1", "boom")), spec("fail")
-    yield "attaches", Scenario(finishing("resumed"), existing_state="Running"), spec("attach")
-    yield "resubmits", Scenario(succeeding("again"), existing_state="Failed"), spec("resubmit")
+    yield "attaches", Scenario(finishing("resumed"), existing_state="Running", companions="own"), spec("attach")
+    yield "resubmits", Scenario(succeeding("again"), existing_state="Failed", companions="stale"), spec("resubmit")
     yield "reconnects", Scenario(succeeding("a", "b"), watch_disconnects=1, watch_gone=1), spec("watch")
     yield "deadline", Scenario(running_forever()), spec("deadline", active_deadline_seconds=1)
     yield "restarts", Scenario(restarting(1) + finishing("done")), spec("restart")
@@ -514,7 +550,9 @@ def launcher_permissions(backend: str = "pytorchjob") -> set[tuple[str, str, str
     for _, scenario, spec in representative_runs():
         with StubCluster(scenario, backend) as cluster:
             if scenario.existing_state:
-                cluster.put_job(manifest_for(spec, backend), scenario.existing_state)
+                job = cluster.put_job(manifest_for(spec, backend), scenario.existing_state)
+                if scenario.companions:
+                    cluster.put_companions(job, job["metadata"]["uid"] if scenario.companions == "own" else "gone")
             try:
                 cluster.launcher(timings=SWEEP_TIMINGS).run(spec)
             except LauncherError:

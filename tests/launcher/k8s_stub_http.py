@@ -2,9 +2,9 @@
 (chunked), the faults a `k8s_stub.Scenario` scripts on the wire, and the RBAC triple each request needs.
 
 `_Handler` serves, for the stub's backend, ``kubeflow.org/v1`` ``pytorchjobs`` or
-``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (create/get/list/watch/delete), ``pods`` list and
-``pods/log`` (follow) from the state the `StubCluster` (``self.server.stub``) keeps, and records every
-request as (method, path, (apiGroup, resource, verb)).
+``trainer.kubeflow.org/v1alpha1`` ``trainjobs`` (create/get/list/watch/delete), ``pods`` list,
+``pods/log`` (follow), ``secrets`` and ``networkpolicies`` (create/get/delete) from the state the `StubCluster`
+(``self.server.stub``) keeps, and records every request as (method, path, (apiGroup, resource, verb)).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ WAIT_SLICE_S = 0.05
 _JOBS = re.compile(r"^/apis/(kubeflow\.org|trainer\.kubeflow\.org)/(?:v1|v1alpha1)/namespaces/([^/]+)/"
                    r"(pytorchjobs|trainjobs)(?:/([^/]+))?$")
 _PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
+_OWNED = re.compile(r"^/api(?:s/(networking\.k8s\.io))?/v1/namespaces/([^/]+)/(secrets|networkpolicies)(?:/([^/]+))?$")
+"""The objects the launcher makes beside a job (``components.lib.k8s_guard``): group, namespace, resource, name."""
 
 
 def _rbac(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]:
@@ -33,6 +35,8 @@ def _rbac(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str]
         group, resource, item = m.group(1), m.group(3), m.group(4)
     elif m := _PODS.match(path):
         group, resource, item = "", "pods" + ("/log" if m.group(3) else ""), m.group(2)
+    elif m := _OWNED.match(path):
+        group, resource, item = m.group(1) or "", m.group(3), m.group(4)
     else:
         return ("?", path, method.lower())
     if method == "GET":
@@ -81,6 +85,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.stub.requests.append((method, url.path, _rbac(method, url.path, query)))
         if (m := _JOBS.match(url.path)) and m.group(3) == self.stub.flavour.plural:
             self._jobs(method, m.group(2), m.group(4), query, body)
+        elif (m := _OWNED.match(url.path)) and m.group(3) in self.stub.scenario.forbidden:
+            self._json(403, _status(403, "Forbidden", f"{m.group(3)} is forbidden: User cannot {method} it"))
+        elif m := _OWNED.match(url.path):
+            self._owned(method, m.group(2), m.group(3), m.group(4), body)
         elif (m := _PODS.match(url.path)) and method == "GET":
             if m.group(3):
                 self._log(m.group(1), m.group(2), query)
@@ -171,6 +179,29 @@ class _Handler(BaseHTTPRequestHandler):
     def _not_found(self, name: str, plural: str = "") -> None:
         plural = plural or f"{self.stub.flavour.plural}.{self.stub.flavour.group}"
         self._json(404, _status(404, "NotFound", f'{plural} "{name}" not found'))
+
+    # --- secrets, networkpolicies ---------------------------------------------------------------
+    def _owned(self, method: str, ns: str, resource: str, name: str | None, body: dict[str, Any]) -> None:
+        """Create (409 when it exists), get and delete, as the API server does; a Secret's stringData is stored as
+        data (base64)."""
+        stub = self.stub
+        key = (resource, ns, name or body.get("metadata", {}).get("name", ""))
+        with stub.changed:
+            found = stub.owned.get(key)
+            if method == "POST" and name is None and found is None:
+                stub.owned[key] = obj = stub.stored(body)
+                stub.changed.notify_all()
+                self._json(201, obj)
+            elif method == "POST" and name is None:
+                self._json(409, _status(409, "AlreadyExists", f'{resource} "{key[2]}" already exists'))
+            elif method in ("GET", "DELETE") and name is not None and found is not None:
+                if method == "DELETE":
+                    del stub.owned[key]
+                self._json(200, found)
+            elif method in ("GET", "DELETE") and name is not None:
+                self._not_found(name, resource)
+            else:
+                self._json(405, _status(405, "MethodNotAllowed", "not served by the stub"))
 
     # --- pods ----------------------------------------------------------------------------------
     def _list_pods(self, ns: str, query: dict[str, str]) -> None:

@@ -197,7 +197,10 @@ def test_trainjob_permissions() -> None:
     assert launcher_permissions("trainjob") == {
         ("trainer.kubeflow.org", "trainjobs", "create"), ("trainer.kubeflow.org", "trainjobs", "get"),
         ("trainer.kubeflow.org", "trainjobs", "list"), ("trainer.kubeflow.org", "trainjobs", "watch"),
-        ("trainer.kubeflow.org", "trainjobs", "delete"), ("", "pods", "list"), ("", "pods/log", "get")}
+        ("trainer.kubeflow.org", "trainjobs", "delete"), ("", "pods", "list"), ("", "pods/log", "get"),
+        ("", "secrets", "create"), ("", "secrets", "get"), ("", "secrets", "delete"),
+        ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "get"),
+        ("networking.k8s.io", "networkpolicies", "delete")}
 
 
 def test_trainjob_state_comes_from_conditions_then_jobs_status() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -229,7 +230,39 @@ def test_recorded_permissions() -> None:
     assert launcher_permissions() == {
         ("kubeflow.org", "pytorchjobs", "create"), ("kubeflow.org", "pytorchjobs", "get"),
         ("kubeflow.org", "pytorchjobs", "list"), ("kubeflow.org", "pytorchjobs", "watch"),
-        ("kubeflow.org", "pytorchjobs", "delete"), ("", "pods", "list"), ("", "pods/log", "get")}
+        ("kubeflow.org", "pytorchjobs", "delete"), ("", "pods", "list"), ("", "pods/log", "get"),
+        ("", "secrets", "create"), ("", "secrets", "get"), ("", "secrets", "delete"),
+        ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "get"),
+        ("networking.k8s.io", "networkpolicies", "delete")}
+
+
+def test_attaching_keeps_the_jobs_secret_and_a_stale_one_is_replaced() -> None:
+    """A launcher that attaches to its running job keeps the job's Secret (its pods hold it); a Secret and policy
+    left by an earlier job of the same name (the garbage collector not done) are replaced by the new job's own."""
+    spec = _spec()
+    with StubCluster(Scenario(finishing("resumed"))) as cluster:
+        job = cluster.put_job(to_manifest(build_pytorchjob(spec)), "Running")
+        cluster.put_companions(job, job["metadata"]["uid"])
+        before = json.dumps(list(cluster.owned.values()), sort_keys=True)
+        assert cluster.launcher().run(spec).state == "Succeeded"
+        assert json.dumps(list(cluster.owned.values()), sort_keys=True) == before
+        assert _verbs(cluster, "secrets") == ["create", "get"]
+    with StubCluster(Scenario(succeeding("again"))) as cluster:
+        old = cluster.put_job(to_manifest(build_pytorchjob(spec)), "Failed")
+        cluster.put_companions(old, "an-earlier-job")
+        assert cluster.launcher().run(spec).state == "Succeeded"
+        new = cluster.jobs[(NS, spec.name)]["metadata"]["uid"]
+        assert [o["metadata"]["ownerReferences"][0]["uid"] for o in cluster.owned.values()] == [new, new]
+        assert _verbs(cluster, "secrets") == ["create", "get", "delete", "create"]
+
+
+def test_a_secret_the_launcher_may_not_create_fails_the_launch_and_deletes_the_job() -> None:
+    spec = _spec()
+    with StubCluster(Scenario(running_forever(), forbidden=("secrets",))) as cluster:
+        with pytest.raises(LauncherError, match="Secret or NetworkPolicy could not be made: HTTP 403 .*needs "
+                                                "create, get and delete on secrets"):
+            cluster.launcher().run(spec)
+        assert cluster.deleted == [(spec.name, True)]
 
 
 def test_rbac_rules_group_verbs_per_resource(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from pipeline_fakes import write_script
@@ -147,6 +148,14 @@ def test_exit_code_mirror_matches_the_trainer_contract():
     assert all(ll.is_retryable(c) == is_retryable(c) for c in range(256))
 
 
+def test_peer_tier_names_mirror_the_trainers():
+    from components.lib import jobsecret
+    from trainer.checkpoint import peerauth, replicas
+
+    assert (jobsecret.SECRET_FILE_ENV, jobsecret.REPLICA_ADDR_ENV) == (peerauth.SECRET_FILE_ENV, replicas.ADDR_ENV)
+    assert len(jobsecret.new_secret()) >= peerauth.MIN_SECRET_BYTES
+
+
 def test_default_entrypoint_is_the_projects():
     assert ll.default_entrypoint().is_file() and os.access(ll.default_entrypoint(), os.X_OK)
 
@@ -167,10 +176,12 @@ def node_entrypoint(tmp_path, plan):
         log = Path({str(tmp_path / 'starts.jsonl')!r})
         n = sum(json.loads(line)["node"] == node for line in log.read_text().splitlines()) if log.exists() else 0
         keys = ("PET_NNODES", "PET_NODE_RANK", "FT_LOCAL_ADDR", "MASTER_ADDR", "MASTER_PORT", "TRAINER_NODES",
-                "TRAINER_MIN_NODES")
+                "TRAINER_MIN_NODES", "TRAINER_REPLICA_ADDR", "TRAINER_JOB_SECRET_FILE")
+        secret = Path(os.environ["TRAINER_JOB_SECRET_FILE"])
         with log.open("a") as f:
             f.write(json.dumps({{"node": node, "n": n, "argv": sys.argv[1:],
-                                 "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
+                                 "env": {{k: os.environ.get(k) for k in keys}},
+                                 "secret": [oct(secret.stat().st_mode & 0o777), len(secret.read_text())]}}) + "\\n")
         steps = {plan!r}[node]
         what, arg = steps[min(n, len(steps) - 1)]
         print(f"node {{node}} start {{n}}: {{what}} {{arg}}", flush=True)
@@ -194,6 +205,12 @@ def test_every_node_gets_its_rank_address_and_memory(tmp_path):
     by_node = {s["node"]: s for s in starts(tmp_path)}
     assert {k: (s["env"]["PET_NNODES"], s["env"]["FT_LOCAL_ADDR"]) for k, s in by_node.items()} == {
         0: ("2", "127.0.0.1"), 1: ("2", "127.0.0.2")}
+    # the node's replica servers listen on its own address; every node signs its peer tier with the launch's secret:
+    # one 0600 file, gone with the launch
+    assert [by_node[k]["env"]["TRAINER_REPLICA_ADDR"] for k in (0, 1)] == ["127.0.0.1", "127.0.0.2"]
+    secrets = {s["env"]["TRAINER_JOB_SECRET_FILE"] for s in by_node.values()}
+    assert len(secrets) == 1 and [s["secret"] for s in by_node.values()] == [["0o600", 64]] * 2
+    assert not Path(secrets.pop()).exists()
     assert by_node[0]["env"]["MASTER_PORT"] == by_node[1]["env"]["MASTER_PORT"]
     memory = {k: s["argv"][-1] for k, s in by_node.items()}
     assert all(m.startswith("--checkpoint.node_local_dir=") for m in memory.values()) and memory[0] != memory[1]

@@ -4,9 +4,11 @@
 One run takes three node losses in turn, so the suite pays for one start:
 1. a node lost, the spare takes its place: its rank fetches its replica from the node holding it, the others restore
    from their own node memory, and no byte of ``checkpoint.dir`` is read (the ledger's ``bytes_read``);
-2. once the persistent tier holds a step, a node lost and the replicas its holder keeps of it corrupted (flipped
-   bytes) before the replacement pod starts: the replica is refused (its checksum) and that rank reads the next
-   tier, the disk (with no step on disk every rank would start over from a fresh state: ``test_tiers``);
+2. once the persistent tier holds a step, an outsider (``peerlib``: the job key, no secret or another job's) at
+   every node's replica server gets nothing and writes nothing; then a node lost and the replicas its holder keeps
+   of it corrupted (flipped bytes) before the replacement pod starts: the replica is refused (its source's seal)
+   and that rank reads the next tier, the disk (with no step on disk every rank would start over from a fresh
+   state: ``test_tiers``);
 3. a node and the node holding its replicas lost together: the first's rank reads the persistent tier (one line
    says why), the second's fetches its replica from the third node.
 The run ends bit-identical to a fault-free run of the same three ranks. Each loss's step is drawn anew each run (0
@@ -16,6 +18,7 @@ from the peer tier: ``test_nodes``.)
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 import time
@@ -24,6 +27,7 @@ import pytest
 import torch
 
 from nodeharness import Cluster
+from peerlib import ATTACK_SLOT, assert_nothing_got, attack
 from test_nodes import ENV
 from test_recovery import GRACE, TINY_BASE, VENV_BIN, _run, events, node_dir
 from testlib import fault_seed
@@ -107,6 +111,7 @@ def peers(tmp_path_factory, tiny_dataset):
         cluster.lose(_node_of_rank(cluster, 1))
         cluster.wait_for_step(CORRUPT_AT, timeout=240)
         _wait_for_a_committed_step(cluster)
+        marks["attacked"], marks["left"] = _attack(cluster)
         lost = _node_of_rank(cluster, 2)
         cluster.lose(lost)
         marks["corrupt"] = time.time()
@@ -123,6 +128,38 @@ def peers(tmp_path_factory, tiny_dataset):
         cluster.start(holder.rank)
         codes = cluster.run_to_end(timeout=240)
         yield {"cluster": cluster, "codes": codes, "marks": marks, "corrupted": corrupted}
+
+
+def _attack(cluster):
+    """The outsider of issue 54 (``peerlib``), at every live node's replica server while the job trains: the job key
+    from the rendezvous id and the checkpoint path (checked against a replica's header), no secret or another job's.
+    Returns what each server gave, and the files of the outsider's slot left in the nodes' memory."""
+    key = hashlib.sha256(f"resilient-train\0{(cluster.run_dir / 'checkpoints').resolve()}".encode()).hexdigest()
+    header = next(p for n in cluster.nodes if not n.lost for p in n.memory.glob("*/peer-rank-*.slot-*.meta"))
+    assert torch.load(header, weights_only=True)["job"] == key, f"the outsider's job key is not the job's {WHY}"
+    servers = {}
+    for node in cluster.nodes:
+        if not node.lost and node.proc.poll() is None:
+            host, port = re.findall(r"replicas served at ([\d.]+):(\d+)", node.output())[-1]
+            servers[node.name] = (host, int(port))
+    got = {name: attack(address, key, source="127.0.0.99") for name, address in servers.items()}
+    left = [p for n in cluster.nodes if not n.lost for p in n.memory.glob(f"*/*.slot-{ATTACK_SLOT}.*")]
+    return {"servers": servers, "got": got}, left
+
+
+def test_an_outsider_gets_nothing_from_the_running_job_and_writes_nothing(peers):
+    """Without the job's secret, or with another job's: a fetch of rank 0's snapshots, a put, a put of 1 TiB, at each
+    node's replica server, which listens on its node's own address only; each refused with one line naming it."""
+    attacked = peers["marks"]["attacked"]
+    assert len(attacked["servers"]) == 3 and all(  # node k's own address: 127.0.0.<k + 1> (nodeharness)
+        host == f"127.0.0.{int(name[4:].split('.')[0]) + 1}" for name, (host, _) in attacked["servers"].items()), \
+        f"{attacked['servers']} {WHY}"
+    for got in attacked["got"].values():
+        assert_nothing_got(got)
+    assert peers["marks"]["left"] == [], WHY
+    out = "".join(n.output() for n in peers["cluster"].nodes)
+    refused = re.findall(r"peer tier: refused a request from 127\.0\.0\.99:\d+: (.*); nothing served", out)
+    assert len(refused) == sum(len(got) for got in attacked["got"].values()), f"{len(refused)} {WHY}"
 
 
 def _recovered_after(run, mark):
@@ -159,7 +196,8 @@ def test_a_corrupted_replica_is_refused_and_the_next_tier_used(peers):
     assert r["tiers"].get("disk"), f"{r} {WHY}"
     assert r["bytes_read"].get("peer", 0) > 0 and r["bytes_read"].get("disk", 0) > 0, f"{r} {WHY}"
     out = "".join(n.output() for n in peers["cluster"].nodes)
-    assert re.search(r"the peer tier's replica of step \d+ is unusable \(checksum mismatch", out), WHY
+    assert re.search(r"the peer tier's replica of step \d+ is unusable \(the replica from rank \d+ does not match "
+                     r"its seal: altered on disk", out), WHY
 
 
 def test_a_node_lost_with_its_replica_holder_reads_the_persistent_tier(peers):

@@ -39,6 +39,11 @@ def data_path(meta_path: Path) -> Path:
     return meta_path.with_name(meta_path.name.removesuffix(".meta") + ".data")
 
 
+def seal_path(meta_path: Path) -> Path:
+    """Where a replica's seal (``peerauth``: its content digest and the source rank's HMAC) is kept."""
+    return meta_path.with_name(meta_path.name.removesuffix(".meta") + ".seal")
+
+
 def scan(store: Any) -> Iterator[Header]:
     """Every snapshot in ``store``'s directory of its job and configuration whose header reads and whose data file
     has the size the header names (a half-written or foreign one is skipped: its writer completes or removes it)."""

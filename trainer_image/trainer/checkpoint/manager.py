@@ -32,6 +32,7 @@ from trainer.checkpoint import hostmem, reaper, reshard, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
+from trainer.checkpoint.peerauth import PeerAuth, load_secret
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy, interval_mtbf
 from trainer.checkpoint.replicas import Replicator
@@ -76,8 +77,10 @@ class CheckpointManager:
         # what it creates there itself (reaper)
         reaper.reap(self.snapshots.dir, files=False)
         reaper.record(self.snapshots.dir, env.rank)
-        self.replicas = Replicator(self.snapshots, cfg.replicas) if cfg.node_local and cfg.replicas != 0 else None
-        """The peer tier (``replicas``): None when off (``checkpoint.replicas=0``, or no node-local tier)."""
+        self.replicas = Replicator(self.snapshots, cfg.replicas, PeerAuth(load_secret(self.dir), self.snapshots.job)) \
+            if cfg.node_local and cfg.replicas != 0 else None
+        """The peer tier (``replicas``), its exchanges signed with the job's secret (``peerauth``): None when off
+        (``checkpoint.replicas=0``, or no node-local tier)."""
         self.writer = Writer()
         self.coord = Coordination(coordination_timeout_s)
         self.persistent = PersistentTier(cfg, self.dir, config_json, self.coord, self.writer)
@@ -365,11 +368,14 @@ class CheckpointManager:
 
     def _check_host_memory(self, state: dict[str, Any]) -> None:
         """This node's slots and replicas against its node-local directory and memory limit (``hostmem``);
-        ``memory_slots=auto`` takes the most of ``AUTO_SLOTS`` that fits, said in one line when it is not the first."""
+        ``memory_slots=auto`` takes the most of ``AUTO_SLOTS`` that fits, said in one line when it is not the first;
+        every rank's slot size to the peer tier (``Replicator.expect``)."""
         if not self.cfg.node_local:
             return
         model = [local_piece(v)[1] for v in flatten(state, model_only=True)[0].values()]
         slot_bytes = predicted_bytes(model, _SLOT_ALIGN)
+        if self.replicas is not None:  # FT/security: a put larger than its source's slot is refused (collective)
+            self.replicas.expect(self.coord, slot_bytes)
         counts = AUTO_SLOTS if self.cfg.memory_slots == "auto" else (int(self.cfg.memory_slots),)
         for count in counts:
             replicas = count * self.replicas.count if self.replicas is not None else 0  # mirrored slots

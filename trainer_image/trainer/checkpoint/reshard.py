@@ -5,9 +5,10 @@ directories still hold the snapshots their ranks published under the old world s
 the lost node's ranks (``replicas``). Where every old rank's snapshot of a step is on this node, each new rank cuts
 its own shard of every tensor out of them (the region its piece covers, from each old piece that overlaps it: the
 same arithmetic as a checkpoint on disk read on another world size) instead of reading the persistent tier. Every
-file read is checked against its header's checksum first; a step some rank cannot restore this way is left to the
-other tiers. When the job grows back, a node that joined (its memory empty) fetches the old ranks' snapshots its
-ranks' shards overlap from the replica server of a node that holds them all (``Replicator.fetch_cut``).
+file read is checked against its header's checksum first (a replica against its source's seal too: ``peerauth``); a
+step some rank cannot restore this way is left to the other tiers. When the job grows back, a node that joined (its
+memory empty) fetches the old ranks' snapshots its ranks' shards overlap from the replica server of a node that
+holds them all (``Replicator.fetch_cut``: each checked against its seal as it arrives).
 
 Headers carry each tensor's piece (global shape, offset, local shape) from when they are published; a header
 without them (an older trainer) is not used here.
@@ -51,6 +52,7 @@ def drop_other_worlds(store: Any) -> int:
     for header in gone:
         header.meta_path.unlink(missing_ok=True)
         header.data.unlink(missing_ok=True)
+        headers.seal_path(header.meta_path).unlink(missing_ok=True)
     return len(gone)
 
 
@@ -112,6 +114,10 @@ def restore(mgr: Any, state: dict[str, Any], step: int, world: int, sources: dic
                     continue  # a replicated tensor is read once
                 seen.add(region)
                 if rank not in views:
+                    if sources[rank].kind == PEER and mgr.replicas is not None:  # FT: its source's seal, again
+                        problem = mgr.replicas.check_held(sources[rank])
+                        if problem:
+                            return problem
                     buffer = map_file(sources[rank].data, int(sources[rank].meta["nbytes"]))
                     if checksum(buffer) != sources[rank].meta["checksum"]:
                         return f"checksum mismatch in {sources[rank].data} (flipped or stale bytes)"
