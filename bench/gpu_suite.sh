@@ -100,18 +100,20 @@ part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) rec
   rm -rf "$CKPT_ROOT/recovery"
 }
 
-part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and one SIGKILL (in-job)
+part_goodput() {  # ~8 minutes, one exception (in-process) and one SIGKILL (in-job; GOODPUT_KILLS=2: two)
   ensure_data
   # 1,200 steps of 1b eager at ~0.31 s; a memory snapshot every 10 steps, every 20th of them persisted (disk every
   # 200 steps); the exception at step 405 on the last rank, the SIGKILL at step 805 on rank 0: mid-way between
   # snapshots, a third and two thirds into the run. Every step logged (the strict goodput needs each step's time).
   local last=$(( NGPU - 1 )) steps="${GOODPUT_STEPS:-1200}"
-  local exc=$(( steps / 3 / 10 * 10 + 5 )) kill=$(( 2 * steps / 3 / 10 * 10 + 5 ))
-  if [[ -n "${GOODPUT_SEED:-}" ]]; then  # issue 41: each fault 1 to 9 steps after a snapshot, drawn from the seed
+  local exc=$(( steps / 3 / 10 * 10 + 5 )) kill=$(( 2 * steps / 3 / 10 * 10 + 5 )) kill2=$(( 5 * steps / 6 / 10 * 10 + 5 ))
+  if [[ -n "${GOODPUT_SEED:-}" ]]; then  # each fault 1 to 9 steps after a snapshot, drawn from the seed
     RANDOM=$GOODPUT_SEED
-    exc=$(( exc - 5 + 1 + RANDOM % 9 )) kill=$(( kill - 5 + 1 + RANDOM % 9 ))
-    say "goodput: seed $GOODPUT_SEED: the exception at step $exc, the SIGKILL at $kill"
+    exc=$(( exc - 5 + 1 + RANDOM % 9 )) kill=$(( kill - 5 + 1 + RANDOM % 9 )) kill2=$(( kill2 - 5 + 1 + RANDOM % 9 ))
+    say "goodput: seed $GOODPUT_SEED: the exception at step $exc, the SIGKILL at $kill$([[ ${GOODPUT_KILLS:-1} == 2 ]] && echo " and $kill2")"
   fi
+  local faults="$last:$exc:exception,0:$kill:sigkill"
+  [[ "${GOODPUT_KILLS:-1}" == 2 ]] && faults+=",0:$kill2:sigkill"  # a second in-job restart, its standby new
   # The host and the GPU sampled every second through the run: a window of slower steps is matched against the SM
   # clock, power, temperature and the clock-event reasons (throttling), and against the host's CPU and I/O.
   local q=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
@@ -119,7 +121,7 @@ part_goodput() {  # issue 20's run: ~8 minutes, one exception (in-process) and o
   nvidia-smi --query-gpu="$q" --format=csv -l 1 >"$OUT/goodput-gpu.csv" 2>&1 & local smi=$!
   vmstat -t 1 >"$OUT/goodput-vmstat.log" 2>&1 & local vm=$!
   faulty "goodput" "$NGPU" --train.steps="$steps" --checkpoint.interval=10 \
-    --checkpoint.persist_every=20 --resiliency.faults="$last:$exc:exception,0:$kill:sigkill"
+    --checkpoint.persist_every=20 --resiliency.faults="$faults"
   kill "$smi" "$vm" 2>/dev/null
   python3 bench/figures.py goodput "$OUT/goodput" --interval 10 | fig  # strict goodput, start-up, final save
   python3 bench/figures.py recovery "$OUT/goodput" | fig
