@@ -92,8 +92,8 @@ class CheckpointConfig:
     memory_slots: int | str = "auto"
     """Snapshot slots per rank in host memory (each holds this rank's whole state). Only the slot being persisted
     is held. With 2 and a write in flight, the newest snapshot is restaged while the one being written is its only
-    fallback: a fault in that window (about a quarter of all faults on an H100 with 17 GB written every 200 steps)
-    restores a snapshot as old as the write, tens of steps. With 3, two slots take turns beside the one being
+    fallback: a fault in that window (a large state takes many steps to write) restores a snapshot as old as the
+    write. With 3, two slots take turns beside the one being
     written, so a fault at any step restores the newest snapshot taken 2 or more steps before it. ``auto``: 3 where
     the node's memory holds them (``hostmem``), else 2, said in one line. A memory checkpoint is never skipped
     because the disk is slow."""
