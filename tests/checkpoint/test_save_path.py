@@ -36,6 +36,12 @@ def test_the_newest_snapshot_is_restaged_only_when_a_locked_one_keeps_an_older_s
     assert _store(tmp_path, [(10, False), (None, False), (20, True)]).choose().step is None
     # The locked slot holds no complete snapshot: restaging the newest would leave nothing to fall back to.
     assert _store(tmp_path, [(None, True), (20, False)]).choose() is None
+    # A new process's first seconds: a slot still being page-locked waits; an older snapshot's slot is ready now.
+    store = _store(tmp_path, [(14, False), (28, False), (None, False)])
+    store.slots[2].ready.clear()
+    assert store.choose().step == 14
+    store.slots[2].ready.set()
+    assert store.choose().step is None  # once reserved, the empty slot is the oldest
 
 
 @pytest.mark.parametrize("slots, worst", [(2, 40), (3, 10)])

@@ -330,13 +330,15 @@ class SnapshotStore:
         """A slot to stage into: never one a persistent write reads (locked), the oldest of the others, and the
         newest complete snapshot only when every other slot is locked and one of them holds an older complete
         snapshot (2 slots, a write in flight): that one stays valid meanwhile, so a fault while staging falls
-        back to it, and the memory tier never waits for the disk. None when no slot qualifies (the save is
-        skipped): every other slot locked without a complete snapshot."""
+        back to it, and the memory tier never waits for the disk. A slot already reserved goes before one still
+        being page-locked in a new process's first seconds (a third slot is reserved last, and a snapshot does not
+        wait for it while another holds an older one). None when no slot qualifies (the save is skipped): every
+        other slot locked without a complete snapshot."""
         newest = self.newest()
         unlocked = [s for s in self.slots if not s.locked]
         others = [s for s in unlocked if s is not newest]
         if others:
-            return min(others, key=lambda s: -1 if s.step is None else s.step)
+            return min(others, key=lambda s: (not s.ready.is_set(), -1 if s.step is None else s.step))
         fallback = any(s.step is not None and s is not newest for s in self.slots)
         return newest if newest is not None and not newest.locked and fallback else None
 
