@@ -89,7 +89,7 @@ def test_the_need_is_written_when_the_peak_grows_and_read_by_the_successor(tmp_p
     assert device.NeedRecord.from_environ(0).read() == 0  # unreadable: no wait rather than a crash
     monkeypatch.delenv(device.DEVICE_DIR_ENV)
     assert device.NeedRecord.from_environ(0) is None  # not under entrypoint.sh
-    assert device.before_first_allocation(0, 1.0, "no record") == 0.0
+    assert device.wait_for_predecessor(0, 1.0, "no record") == 0.0
 
 
 _FORKING_WORKER = """

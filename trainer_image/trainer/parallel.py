@@ -48,12 +48,12 @@ def wants_cuda(cfg: TrainConfig) -> bool:
 
 
 def select_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    if not wants_cuda(cfg):
+        if cfg.device == "cuda":
+            raise RuntimeError("train.device=cuda but no CUDA device is visible; use --train.device=cpu")
         threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
         torch.set_num_threads(threads)
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use --train.device=cpu")
     if env.local_rank >= torch.cuda.device_count():
         raise RuntimeError(
             f"local rank {env.local_rank} has no GPU: {torch.cuda.device_count()} visible; "

@@ -69,8 +69,8 @@ class Resources:
         accumulation(cfg.train, env.world_size)  # a global batch this world size cannot take: one line, exit 2
         device_handover.install()  # FT: a child forked from this worker never keeps its device memory alive
         if parallel.wants_cuda(cfg.train):  # FT: not before the predecessor of this local rank let go of the GPU
-            device_handover.before_first_allocation(env.local_rank, cfg.resiliency.device_wait_s,
-                                                    "its previous worker's memory is being released")
+            device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s,
+                                                 "its previous worker's memory is being released")
         device = parallel.select_device(cfg.train, env)
         cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
         if cfg.train.deterministic:
@@ -176,7 +176,7 @@ def train(
     if startup.CLOCK.reentry and device.type == "cuda":  # FT: what the failed attempt left allocated (its model?)
         log.info("in-process restart: %.2f GiB of device memory allocated at the re-entry of train() (peak so far "
                  "%.2f GiB)", torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
-        device_handover.after_inprocess_restart(device, env.local_rank, cfg.resiliency.device_wait_s)
+        device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s, "after an in-process restart")
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger

@@ -28,6 +28,7 @@ import torch
 
 from trainer.checkpoint.chunked import SNAPSHOT_COPY_BYTES, device_checksum, pieces_of, split_copy
 from trainer.checkpoint.slots import Layout, Slot, map_views
+from trainer.startup import STANDBY_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def device_staging_room(nbytes: int, device: torch.device) -> tuple[bool, str]:
     cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
     room = free + max(0, cached_unused)
     margin = max(DEVICE_MARGIN_MIN, int(DEVICE_MARGIN_FRACTION * total))
-    standby = STANDBY_DEVICE_BYTES if os.environ.get("TRAINER_STANDBY_DIR") else 0
+    standby = STANDBY_DEVICE_BYTES if os.environ.get(STANDBY_DIR_ENV) else 0
     numbers = (f"buffer {nbytes / 2**30:.1f} GiB, room {room / 2**30:.1f} GiB beside the peak so far, margin "
                f"{margin / 2**30:.1f} GiB" + (f" and a warm standby's {standby / 2**30:.1f} GiB" if standby else "")
                + f" of {total / 2**30:.0f} GiB")

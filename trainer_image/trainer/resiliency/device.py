@@ -10,10 +10,10 @@ standby (``trainer/standby.py``) takes over within milliseconds; its first alloc
 - **What the job needs** (``NeedRecord``): a worker notes its device's peak reserved memory (the caching allocator's,
   the snapshot's device staging buffer included) in ``$TRAINER_DEVICE_DIR/need-<local rank>.json`` after its first
   step and whenever that peak grows. ``entrypoint.sh`` makes the directory per pod: it outlives every worker.
-- **The wait** (``wait_for_memory``): a worker that takes over a local rank (a standby or a fresh process), before
-  its first allocation, and a worker re-entering ``train()`` after an in-process restart, waits until the device's
-  free memory (NVML, which needs no CUDA context; else the CUDA runtime's, where this process has one), plus what this
-  process itself holds, covers that need. One line says how long it waited and why; past
+- **The wait** (``wait_for_predecessor``): a worker that takes over a local rank (a standby or a fresh process),
+  before its first allocation, and a worker re-entering ``train()`` after an in-process restart, waits until the
+  device's free memory (NVML, which needs no CUDA context; else the CUDA runtime's, where this process has one), plus
+  what this process itself caches, covers that need. One line says how long it waited and why; past
   ``resiliency.device_wait_s`` it gives up with one line and exits ``UNHEALTHY_NODE``: something other than the
   job holds the device, and a new pod is what helps.
 - **Children let go** (``release_inherited_device_files``): a child forked from a worker (NVRx's in-process monitor
@@ -158,9 +158,11 @@ def wait_for_memory(need: int, free: Callable[[], int], held_by_me: int = 0, bou
                      "something outside the job holds it, replace the node")
 
 
-def before_first_allocation(local_rank: int, bound_s: float, why: str) -> float:
-    """In a worker that takes over ``local_rank`` on a GPU, before its first allocation: waits for the memory its
-    predecessor recorded (``NeedRecord``). Returns the seconds waited (0: nothing recorded, nothing to wait for)."""
+def wait_for_predecessor(local_rank: int, bound_s: float, why: str) -> float:
+    """Before a worker's allocations on ``local_rank``'s GPU (a new process taking over the local rank, or an
+    in-process restart re-entering ``train()``): waits for the memory its predecessor recorded (``NeedRecord``), the
+    memory this process caches counting as its own (a standby's, the failed attempt's). Returns the seconds waited
+    (0: nothing recorded, nothing to wait for)."""
     record = NeedRecord.from_environ(local_rank)
     need = record.read() if record is not None else 0
     if need <= 0:
@@ -172,22 +174,8 @@ def before_first_allocation(local_rank: int, bound_s: float, why: str) -> float:
         return 0.0
     import torch
 
-    mine = torch.cuda.memory_reserved(local_rank) if torch.cuda.is_initialized() else 0  # a standby's own cache
+    mine = torch.cuda.memory_reserved(local_rank) if torch.cuda.is_initialized() else 0
     return wait_for_memory(need, free, held_by_me=mine, bound_s=bound_s, label=f"cuda:{local_rank}", why=why)
-
-
-def after_inprocess_restart(device: object, local_rank: int, bound_s: float) -> float:
-    """At an in-process restart's re-entry of ``train()`` on a GPU: the memory this process caches counts as its own
-    (the failed attempt's tensors are freed by then); waits only where something else holds the rest."""
-    record = NeedRecord.from_environ(local_rank)
-    need = record.read() if record is not None else 0
-    if need <= 0 or getattr(device, "type", "") != "cuda":
-        return 0.0
-    import torch
-
-    mine = torch.cuda.memory_reserved(device)
-    return wait_for_memory(need, lambda: int(torch.cuda.mem_get_info(device)[0]), held_by_me=mine, bound_s=bound_s,
-                           label=f"cuda:{local_rank}", why="after an in-process restart")
 
 
 # --- children -------------------------------------------------------------------------------------------------

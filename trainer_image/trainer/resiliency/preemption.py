@@ -7,8 +7,8 @@ the rendezvous was lost), and a final checkpoint would wait for that peer until 
 
 Python runs a signal handler in the main thread between two bytecodes only: a main thread blocked in C++ (the
 process group's store waiting for a rank that died, a collective, a store call) runs it when the call returns, so a
-worker stopped during its start would wait for the launcher's ``--term-timeout`` and its SIGKILL (30 s in
-``drill_kill_anytime.py``) before the job could meet again. The signal's arrival is also
+worker stopped during its start would wait for the launcher's ``--term-timeout`` and its SIGKILL before the job
+could meet again (``tests/resiliency/drill_kill_anytime.py`` finds such moments). The signal's arrival is also
 written to a pipe (``signal.set_wakeup_fd``, from the C-level handler), which a thread reads: a stop for an in-job
 restart exits from there at once.
 """
