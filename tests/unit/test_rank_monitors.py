@@ -8,12 +8,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
 from trainer.exitcodes import ExitCode, TrainerExit, ends_job
 from trainer.resiliency.heartbeat import FT_SOCKET_ENV, Heartbeat, monitor_listening
+from trainer.resiliency.monitors import RETIRE_S
 
 
 def start_monitor(path: Path) -> multiprocessing.Process:
@@ -99,6 +101,7 @@ def test_each_attempt_gets_new_rank_monitors(tmp_path, monkeypatch):
     assert fresh_monitor_per_attempt(Agent)
     envs = {r: {"LOCAL_RANK": str(r), FT_SOCKET_ENV: str(tmp_path / f"rmon{r}.socket")} for r in range(2)}
     agent = Agent()
+    agent.get_rank_mon_socket_path = lambda r: envs[r][FT_SOCKET_ENV]  # ft_launcher's, from its pid
     try:
         agent.setup_rank_monitors(envs)
         first = dict(agent._local_rank_to_rmon)
@@ -111,4 +114,41 @@ def test_each_attempt_gets_new_rank_monitors(tmp_path, monkeypatch):
             probe.connect(envs[r][FT_SOCKET_ENV])
             probe.close()
     finally:
-        agent.shutdown_rank_monitors()
+        began = time.monotonic()
+        agent.shutdown_rank_monitors()  # bounded: NVRx's joins a monitor that ignores SIGTERM for ever
+    assert time.monotonic() - began < 2 * (RETIRE_S + 1) + 5
+    assert not any(p.is_alive() for p in second.values())
+    assert not any(Path(e[FT_SOCKET_ENV]).exists() for e in envs.values())
+
+
+def test_the_launchers_end_retires_a_monitor_that_ignores_sigterm(tmp_path):
+    """A monitor stuck before its SIGTERM handler can run (forked while another thread of the launcher held a lock)
+    is killed after ``RETIRE_S``, instead of holding the launcher's end for ever."""
+    import signal
+
+    from nvidia_resiliency_ext.fault_tolerance import launcher as ft
+
+    from trainer.resiliency.monitors import fresh_monitor_per_attempt
+
+    class Agent(ft.LocalElasticAgent):
+        def __init__(self) -> None:
+            self._local_rank_to_rmon = {}
+
+    assert fresh_monitor_per_attempt(Agent)
+    agent = Agent()
+    stuck = multiprocessing.get_context("fork").Process(target=_ignore_sigterm, daemon=True)
+    stuck.start()
+    agent._local_rank_to_rmon[0] = stuck
+    agent.get_rank_mon_socket_path = lambda r: str(tmp_path / "gone.socket")
+    time.sleep(0.5)  # its SIG_IGN is in place
+    began = time.monotonic()
+    agent.shutdown_rank_monitors()
+    assert not stuck.is_alive() and stuck.exitcode == -signal.SIGKILL
+    assert RETIRE_S <= time.monotonic() - began < RETIRE_S + 5
+
+
+def _ignore_sigterm() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)

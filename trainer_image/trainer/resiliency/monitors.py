@@ -11,14 +11,17 @@ and closes the connection: each worker of that local rank then fails at its firs
 restart that follows.
 
 So the launcher retires each monitor when it starts the workers of a new attempt (the old workers are stopped by
-then) and starts a new one on the same socket path: the old one's exit removes that path, so it is waited for first.
+then) and starts a new one on the same socket path: the old one's exit removes that path, so it is waited for first
+(SIGTERM, then SIGKILL after ``RETIRE_S``; the launcher's end retires its last monitors the same way).
 A worker that still finds its monitor alive but refusing exits ``RANK_MONITOR_REFUSED``
 (``trainer.resiliency.heartbeat``), which ft_launcher restarts like any failure: the next attempt has a new monitor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
 log = logging.getLogger("trainer.launch")
 
@@ -39,11 +42,23 @@ def _retire(process: object) -> None:
 
 def fresh_monitor_per_attempt(agent_cls: type) -> bool:
     """``agent_cls.setup_rank_monitors`` (called as each attempt's workers start) first retires the monitors of the
-    attempt before. False, logged, where this NVRx has no such method."""
+    attempt before, and ``shutdown_rank_monitors`` (the launcher's end) retires each within ``RETIRE_S``: NVRx joins
+    a terminated monitor without a bound, and a monitor forked while another thread of the launcher held a lock may
+    never run its SIGTERM handler. False, logged, where this NVRx has no such methods."""
     original = getattr(agent_cls, "setup_rank_monitors", None)
-    if original is None:
+    if original is None or not hasattr(agent_cls, "shutdown_rank_monitors"):
         log.warning("rank monitors outlive their attempts: this NVRx has no setup_rank_monitors")
         return False
+
+    def shutdown_rank_monitors(self: object) -> None:
+        monitors = getattr(self, "_local_rank_to_rmon", {})
+        for local_rank in sorted(monitors):
+            process = monitors[local_rank]
+            _retire(process)
+            path = getattr(self, "get_rank_mon_socket_path", None)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path(local_rank))
 
     def setup_rank_monitors(self: object, envs: dict) -> None:
         monitors = getattr(self, "_local_rank_to_rmon", None)
@@ -54,4 +69,5 @@ def fresh_monitor_per_attempt(agent_cls: type) -> bool:
         original(self, envs)
 
     agent_cls.setup_rank_monitors = setup_rank_monitors  # type: ignore[attr-defined]
+    agent_cls.shutdown_rank_monitors = shutdown_rank_monitors  # type: ignore[attr-defined]
     return True
