@@ -22,6 +22,7 @@
 #   alloc     ours-compiled and ours-eager again with PYTORCH_ALLOC_CONF=$TITAN_ALLOC_CONF (torchtitan's
 #             launcher exports expandable segments; so does entrypoint.sh now, when neither PYTORCH_ALLOC_CONF nor
 #             PYTORCH_CUDA_ALLOC_CONF is set: with the default TITAN_ALLOC_CONF these rows repeat the headline's)
+#   nostandby ours-compiled again with TRAINER_STANDBY=0: the steps without a warm standby starting beside them
 #   before    the trainer tree in $BEFORE_TREE, compiled and eager (20 steps)
 #   table     $OUT/table.md from $OUT/throughput.jsonl (bench/figures.py table)
 # Every figure: median over the steps after 10 of each step's time on the GPU's timeline (CUDA events at step
@@ -144,6 +145,10 @@ part_headline() {
 part_alloc() {  # the headline's two trainer rows again with the allocator settings torchtitan's runs get
   OURS_ALLOC_CONF="$TITAN_ALLOC_CONF" production ours-compiled-alloc 80 --train.compile=true
   OURS_ALLOC_CONF="$TITAN_ALLOC_CONF" production ours-eager-alloc 45 --train.compile=false
+}
+
+part_nostandby() {  # the headline's compiled trainer row without the warm standby: what its start costs the steps
+  TRAINER_STANDBY=0 production ours-compiled-nostandby 65 --train.compile=true
 }
 
 pick() {  # a variants JSON array, keeping only the labels whose part after ":" is in LOO_ONLY (when set)

@@ -117,6 +117,38 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         respawned.close(job_over=True)
 
 
+@pytest.mark.parametrize("buffer_holds", ["the step restored", "another step"])
+def test_an_in_process_restore_copies_from_the_staging_buffer_where_it_holds_the_step(tmp_path, cuda_pg, shm_dir,
+                                                                                      caplog, buffer_holds):
+    """The staging buffer outlives an in-process restart: the restore of the step it holds is a device-to-device copy
+    (the host slot is not read: zeroed here, the state still comes back bit-identical); where it holds another step,
+    the slot is read."""
+    state = _state()
+    mgr = _manager(tmp_path, "on", shm_dir)
+    try:
+        mgr.load_latest(state)
+        for step in range(1, 6):
+            _step(state, step, mgr)
+            mgr.save(step, state, last_step=step == 5)
+        torch.cuda.synchronize()
+        copier = mgr._copier
+        assert isinstance(copier, DeviceStagedCopy) and copier.step == 5
+        slot = mgr.snapshots.slot_for(5)
+        if buffer_holds == "the step restored":
+            slot.buffer.zero_()  # only the staging buffer can give the state back now
+        else:
+            copier.buffer.fill_(7)
+            copier.step = 4
+        restored = _state(seed=3)
+        with caplog.at_level(logging.INFO, logger="trainer.checkpoint.restore"):
+            assert mgr.load_latest(restored) == 5 and mgr.restored_from == "memory"
+        assert_equal(snapshot(restored), snapshot(state))
+        line = next(r.getMessage() for r in caplog.records if "restored step 5" in r.getMessage())
+        assert ("device copy" in line) == (buffer_holds == "the step restored"), line
+    finally:
+        mgr.close(job_over=True)
+
+
 def test_slots_on_a_disk_are_used_pageable_with_one_warning(tmp_path, caplog):
     """checkpoint.node_local_dir on a disk: the driver refuses to page-lock the mapping; the slot works pageable and
     one WARNING says what to change, instead of every save failing."""

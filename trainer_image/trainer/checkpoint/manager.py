@@ -38,7 +38,7 @@ from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy, interval_mt
 from trainer.checkpoint.replicas import Replicator
 from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
-from trainer.checkpoint.staging import Drain, choose_copier
+from trainer.checkpoint.staging import DeviceStagedCopy, Drain, choose_copier
 from trainer.checkpoint.state import (
     LiveState, apply_rank_state, flatten, local_piece, predicted_bytes, rank_state,
 )
@@ -427,6 +427,12 @@ class CheckpointManager:
             "rank_state": rank_state(state), **optim_extra, "config_json": self.config_json,
         }
         self.snapshots.stage(slot, step, locals_, pieces, payload, self._copier)
+
+    def restore_on_device(self, slot: Slot, step: int, targets: dict[str, torch.Tensor]) -> bool:
+        """An in-process restart's restore of ``step`` from the device staging buffer, where that buffer holds it
+        (``DeviceStagedCopy.restore``); False: restore from the slot."""
+        copier = self._copier
+        return isinstance(copier, DeviceStagedCopy) and copier.restore(slot, step, targets)
 
     def _complete_staging(self, wait: bool = True) -> None:
         """The staged slot becomes a snapshot once its copy finished (``wait``: wait for it; else only when it

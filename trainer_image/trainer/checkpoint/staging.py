@@ -96,9 +96,13 @@ class DeviceStagedCopy:
         """(start, end, bytes) of the drain parts queued and not yet measured (``drain_budget`` reads them)."""
         self._layout: Layout = {}
         self._views: dict[str, torch.Tensor] = {}
+        self.step: int | None = None
+        """The step whose tensors the buffer holds (set as their copy is queued). The buffer outlives an in-process
+        restart, so the restore of that step copies it back on the device (``restore``), not from the host slot."""
 
     def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
         nbytes = max(offset + _nbytes(dtype, shape) for dtype, offset, shape in slot.layout.values())
+        self.step = slot.staging
         if slot.layout != self._layout:
             if _words(nbytes) * 8 > self.buffer.numel():  # the state grew (not within a run: its tensors are fixed)
                 self.buffer = torch.empty(_words(nbytes) * 8, dtype=torch.uint8, device=self.buffer.device)
@@ -124,6 +128,23 @@ class DeviceStagedCopy:
         else:
             slot.event = torch.cuda.Event()
             slot.event.record(self.stream)
+
+    def restore(self, slot: Slot, step: int, targets: dict[str, torch.Tensor]) -> bool:
+        """Copy the snapshot of ``step`` (in ``slot``) into ``targets`` from the staging buffer, device to device
+        after the buffer's own copies, where the buffer holds that step in the slot's layout; False (nothing copied)
+        otherwise. The buffer is the slot's source byte for byte, and an in-process restart keeps the device's
+        memory: the copy back takes HBM time instead of the host link's (``Recovery per layer`` in BENCHMARKS.md).
+        A step whose copy into the buffer had not read its sources when the attempt ended never becomes a snapshot
+        (``CheckpointManager._settle_staged``), so it is never asked for here."""
+        if self.step != step or slot.layout != self._layout or not all(k in self._views for k in targets):
+            return False
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream(self.buffer.device).wait_stream(self.stream)
+        for key, target in targets.items():
+            target.copy_(self._views[key], non_blocking=target.is_cuda)
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream(self.buffer.device).synchronize()  # its time in the restore line is the copy's
+        return True
 
     def drain_budget(self, step_s: float, remaining: int, steps_left: int | None, within: int | None = None) -> int | None:
         """Bytes of the next drain part (``drain_part_bytes``) at the copy rate measured so far."""
