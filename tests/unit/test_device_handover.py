@@ -163,3 +163,21 @@ def test_an_oom_before_the_models_first_step_is_exit_2_and_after_it_a_fault_to_r
     with pytest.raises(OutOfMemoryError) as raised:  # the in-process layer restarts it; else exit 207, in-job
         resiliency._call(oom, res, None, layers)
     assert classify(raised.value) == ExitCode.DEVICE_OUT_OF_MEMORY
+
+
+@pytest.mark.parametrize("free_gib, context", [(4.0, False), (12.0, True)])
+def test_a_standby_makes_its_context_only_where_the_worker_keeps_its_margin(monkeypatch, free_gib, context):
+    """A warm standby's CUDA context beside a worker that fills the card would take the worker's margin for growth
+    (an OOM of the worker later): with too little free, the standby says so and makes none."""
+    from trainer import standby
+    from trainer.checkpoint.staging import STANDBY_DEVICE_BYTES, device_margin
+
+    monkeypatch.setattr(device, "nvml_free", lambda index: lambda: int(free_gib * GIB))
+    monkeypatch.setattr(device, "device_total", lambda index: 80 * GIB)
+    need = STANDBY_DEVICE_BYTES + device_margin(80 * GIB)
+    assert (free_gib * GIB >= need) == context  # the two cases straddle the need
+    line = standby._no_room_for_a_context(0)
+    if context:
+        assert line == ""
+    else:
+        assert line == f"{free_gib:.1f} GiB free on cuda:0, a standby's context and the worker's margin need {need / GIB:.1f} GiB"

@@ -171,6 +171,9 @@ class Standby:
             return ""
         if self.local_rank >= torch.cuda.device_count():
             return f"; no CUDA context (local rank {self.local_rank} has no GPU among {torch.cuda.device_count()})"
+        short = _no_room_for_a_context(self.local_rank)
+        if short:
+            return f"; no CUDA context ({short}): the worker it becomes makes one"
         try:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
@@ -338,6 +341,23 @@ class Standby:
                 self.status.write(line + "\n")
             except OSError:
                 pass
+
+
+def _no_room_for_a_context(local_rank: int) -> str:
+    """Why this standby makes no CUDA context beside the running worker ('' where it has room): its context takes
+    ``staging.STANDBY_DEVICE_BYTES``, and the worker keeps ``staging``'s margin for its own growth. The worker's
+    budget line (``checkpoint.device_staging``) counts a standby in; this checks what the device really has."""
+    from trainer.checkpoint.staging import STANDBY_DEVICE_BYTES, device_margin
+    from trainer.resiliency.device import device_total, nvml_free
+
+    free, total = nvml_free(local_rank), device_total(local_rank)
+    if free is None or total is None:
+        return ""
+    have, need = free(), STANDBY_DEVICE_BYTES + device_margin(total)
+    if have >= need:
+        return ""
+    return (f"{have / 2**30:.1f} GiB free on cuda:{local_rank}, a standby's context and the worker's margin need "
+            f"{need / 2**30:.1f} GiB")
 
 
 def _resident_mib() -> str:

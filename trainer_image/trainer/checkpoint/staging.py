@@ -242,18 +242,30 @@ def _words(nbytes: int) -> int:
     return -(-nbytes // 8)
 
 
+def device_margin(total: int) -> int:
+    """Bytes of a device of ``total`` bytes kept free for the training's growth (``DEVICE_MARGIN_FRACTION``)."""
+    return max(DEVICE_MARGIN_MIN, int(DEVICE_MARGIN_FRACTION * total))
+
+
 def device_staging_room(nbytes: int, device: torch.device) -> tuple[bool, str]:
-    """Whether a staging buffer of ``nbytes`` fits on ``device`` beside the training's peak so far with a margin,
-    and the numbers (for the log line)."""
+    """Whether a staging buffer of ``nbytes`` fits on ``device`` beside the training's peak so far, a warm standby
+    (where standbys run) and a margin, and the device's budget in those terms (for the log line): its total, what
+    the steps so far allocated at most, the allocator's cache beyond that (reusable), what other CUDA contexts and
+    processes hold, and what is left to spare (negative: short)."""
     free, total = torch.cuda.mem_get_info(device)
-    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
-    room = free + max(0, cached_unused)
-    margin = max(DEVICE_MARGIN_MIN, int(DEVICE_MARGIN_FRACTION * total))
+    reserved, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device)
+    cached_unused = max(0, reserved - peak)
+    room = free + cached_unused
+    margin = device_margin(total)
     standby = STANDBY_DEVICE_BYTES if os.environ.get(STANDBY_DIR_ENV) else 0
-    numbers = (f"buffer {nbytes / 2**30:.1f} GiB, room {room / 2**30:.1f} GiB beside the peak so far, margin "
-               f"{margin / 2**30:.1f} GiB" + (f" and a warm standby's {standby / 2**30:.1f} GiB" if standby else "")
-               + f" of {total / 2**30:.0f} GiB")
-    return nbytes + margin + standby <= room, numbers
+    spare = room - nbytes - margin - standby
+    gib = 2**30
+    numbers = (f"device memory of cuda:{device.index}, {total / gib:.1f} GiB: training peak {peak / gib:.1f}, allocator "
+               f"cache beyond it {cached_unused / gib:.1f}, CUDA contexts and other processes "
+               f"{max(0, total - free - reserved) / gib:.1f}, staging buffer {nbytes / gib:.1f}"
+               + (f", a warm standby {standby / gib:.1f}" if standby else "")
+               + f", margin {margin / gib:.1f}: {abs(spare) / gib:.1f} GiB {'to spare' if spare >= 0 else 'short'}")
+    return spare >= 0, numbers
 
 
 def choose_copier(mode: str, device: torch.device, nbytes: int, stream: Any) -> HostCopy | DirectCopy | DeviceStagedCopy:

@@ -110,6 +110,18 @@ def nvml_free(index: int) -> Callable[[], int] | None:
     return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
 
 
+def device_total(index: int) -> int | None:
+    """Total bytes of CUDA device ``index`` through NVML (no CUDA context); None where NVML is unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, index)).total)
+    except Exception as exc:  # noqa: BLE001 - as nvml_free
+        log.debug("NVML unavailable for device %d: %s", index, exc)
+        return None
+
+
 def _nvml_handle(pynvml: object, index: int) -> object:
     """NVML's handle of this process's CUDA device ``index``: through CUDA_VISIBLE_DEVICES (indices or UUIDs)."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
