@@ -96,10 +96,11 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         mgr.save(7, state, last_step=True)
         torch.cuda.synchronize()
         held = {slot.step: slot for slot in mgr.snapshots.slots if slot.step is not None}
-        assert sorted(held) == [6, 7]
+        assert sorted(held) == list(range(8 - len(mgr.snapshots.slots), 8))  # memory_slots=auto: 3 where memory allows
         assert all(slot.pinned for slot in held.values()), "the slots in /dev/shm were not page-locked"
         assert all(len(slot.chunk_pins) > 1 for slot in held.values()) == bool(piece)
         assert all(torch.equal(held[6].views[k], v) for k, v in expected[6].items()), "step 7's update leaked in"
+        assert all(torch.equal(held[s].views[k], v) for s in held for k, v in expected[s].items())
         for slot in held.values():
             assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
         restored = _state(seed=3)
