@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from statelib import assert_equal, make_state, manager, pg, save_two_steps, snapshot  # noqa: F401 - pg
+from statelib import assert_equal, make_state, manager, pg, save_two_steps, snapshot, train_step  # noqa: F401 - pg
 from trainer.checkpoint import chunked, premap
 
 CHUNK = 4096
@@ -140,6 +140,48 @@ def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_o
         for slot in respawned.snapshots.slots:  # the standby's mappings, not new ones
             assert slot.chunk_pins == ahead[slot.buffer.data_ptr()]
         assert premap._REGISTRY == {} and not set(others) & set(driver.locked)  # what no slot took: released
+    finally:
+        respawned.close(job_over=True)
+    assert driver.locked == {}, "a chunk the standby locked was never unlocked"
+
+
+def test_a_slot_file_without_a_snapshot_keeps_the_standbys_locked_mapping_as_an_empty_slot(tmp_path, pg, driver):
+    """The dead worker was copying a snapshot into one slot (no header: not a snapshot). The standby had locked that
+    file too: the respawned worker keeps the mapping as that slot's empty buffer, locked chunks and all (locking it
+    again after the first step held the driver under the first steps for seconds), with every byte outside its
+    tensors zeroed (the checksum counts them); its next snapshot lands there and restores bit-identical."""
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    save_two_steps(mgr, state)
+    files = mgr.snapshot_files()
+    mgr.close()
+    cut = next(s for s in mgr.snapshots.slots if s.step == 2)
+    cut.meta_path.unlink()  # the copy of step 2 was cut off: its header never written
+    cut.data_path.write_bytes(b"\xff" * cut.data_path.stat().st_size)  # another layout's bytes, say
+    mapper = premap.Premapper(files, driver.register, driver.unregister)
+    for path in files:
+        mapper.refresh(path)
+    ahead = list(premap._REGISTRY[str(cut.data_path)].chunks)
+    respawned = manager(tmp_path, persist_every=0, memory_slots=2)
+    try:
+        restored = make_state(seed=7)
+        assert respawned.load_latest(restored) == 1
+        empty = respawned.snapshots.slots[cut.index]
+        assert empty.step is None and empty.buffer is not None and empty.chunk_pins == ahead
+        assert not any(call == ("unregister", a) for call in driver.calls for a in ahead), "its chunks were released"
+        covered = torch.zeros(empty.buffer.numel(), dtype=torch.bool)
+        for dtype, offset, shape in empty.layout.values():
+            covered[offset:offset + getattr(torch, dtype).itemsize * int(torch.Size(shape).numel())] = True
+        assert (empty.buffer[~covered] == 0).all(), "bytes outside the tensors were left as they were"
+        assert (empty.buffer[covered] == 0xFF).any()  # the tensors' bytes are the next snapshot's to write
+        address = empty.buffer.data_ptr()
+        train_step(restored, 2)
+        respawned.save(2, restored)
+        assert respawned.snapshots.slot_for(2) is empty and empty.buffer.data_ptr() == address, "mapped anew"
+        expected = snapshot(restored)
+        again = make_state(seed=9)
+        assert respawned.load_latest(again) == 2
+        assert_equal(snapshot(again), expected)
     finally:
         respawned.close(job_over=True)
     assert driver.locked == {}, "a chunk the standby locked was never unlocked"

@@ -76,6 +76,35 @@ def take(path: str | os.PathLike, nbytes: int, unregister: Callable[[int], None]
     return None
 
 
+def adopt(path: str | os.PathLike, layout: dict[str, tuple[str, int, tuple[int, ...]]],
+          nbytes: int) -> Premapped | None:
+    """The standby's mapping of a slot file that holds no snapshot (no header: the dead worker's copy into it was cut
+    off), for the slot to keep as its empty buffer with the chunks already page-locked: the next snapshot into it
+    locks nothing. Released instead, the worker locked it again after its first step, holding the CUDA driver under
+    its first steps for seconds (BENCHMARKS.md, "Recovery per layer"). The bytes outside ``layout``'s tensors are
+    zeroed: the slot's checksum counts them. None where the standby did not map the file, or it is too small."""
+    now = identity(str(path))
+    entry = take(path, now[2]) if now is not None else None
+    if entry is None or entry.buffer.numel() < nbytes:
+        if entry is not None:
+            _drop(entry, None)
+        return None
+    end = 0
+    for start, stop in sorted((offset, offset + getattr(torch, dtype).itemsize * _count(shape))
+                              for dtype, offset, shape in layout.values()):
+        entry.buffer[end:max(end, start)].zero_()
+        end = max(end, stop)
+    entry.buffer[end:].zero_()
+    return entry
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def release_all(unregister: Callable[[int], None] | None = None) -> None:
     """Unregister and unmap whatever was not taken (a standby that ends unused, or a restore that did not use it)."""
     with _LOCK:

@@ -150,8 +150,7 @@ class Slot:
     event: Any = None
     """CUDA: recorded when the copy into the slot finished."""
     sources_read: Any = None
-    """CUDA: recorded when the copy no longer reads the live tensors (the training stream waits for it once before
-    the next optimizer step), else None."""
+    """CUDA: recorded when the copy no longer reads the live tensors (the next optimizer step waits for it)."""
     pieces: dict[str, Piece] = field(default_factory=dict)
     payload: dict[str, Any] = field(default_factory=dict)
     locked: bool = False
@@ -166,8 +165,7 @@ class Slot:
     chunk_pins: list[int] = field(default_factory=list)
     """Addresses of the chunks a node-local restore page-locked (``chunked``); replaced by the slot's own pin."""
     pin_piece: int = 0
-    """Bytes per page-locked registration (``checkpoint.pin_chunk_mib``); 0: the whole slot in one. Copies to and
-    from a slot pinned in pieces are split at the pieces' boundaries (``chunked.split_copy``)."""
+    """Bytes per page-locked registration (``checkpoint.pin_chunk_mib``; 0: one); copies split at them (``chunked``)."""
     pin_refused: bool = False
     """The driver refused to page-lock this slot's mapping (a file on a disk, not a tmpfs): it is used pageable."""
     ready: threading.Event = field(default_factory=threading.Event)
@@ -453,6 +451,9 @@ class SnapshotStore:
             slot.layout, slot.views = expected, map_views(slot.buffer, expected)
             slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
             self._expected_checksum[slot.index] = meta["checksum"]
+        for slot in self.slots:  # FT: a file with no snapshot that the standby page-locked: an empty slot, locked
+            if slot.buffer is None and only is None and (kept := premap.adopt(slot.data_path, expected, nbytes)):
+                slot.buffer, slot.chunk_pins, slot.layout, slot.views = kept.buffer, kept.chunks, expected, {}
         return self.held_steps()
 
     def _read_meta(self, slot: Slot, expected: Layout, nbytes: int) -> tuple[str, dict[str, Any]]:
