@@ -96,7 +96,9 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         mgr.save(7, state, last_step=True)
         torch.cuda.synchronize()
         held = {slot.step: slot for slot in mgr.snapshots.slots if slot.step is not None}
-        assert sorted(held) == list(range(8 - len(mgr.snapshots.slots), 8))  # memory_slots=auto: 3 where memory allows
+        # the newest two; with memory_slots=auto a third, older one where memory allows (which one depends on the
+        # saves deferred while the slots were page-locked in the background)
+        assert {6, 7} <= set(held) and len(held) <= len(mgr.snapshots.slots), sorted(held)
         assert all(slot.pinned for slot in held.values()), "the slots in /dev/shm were not page-locked"
         assert all(len(slot.chunk_pins) > 1 for slot in held.values()) == bool(piece)
         assert all(torch.equal(held[6].views[k], v) for k, v in expected[6].items()), "step 7's update leaked in"
