@@ -102,7 +102,7 @@ def test_cuda_snapshots_restore_bit_identical_from_every_tier(tmp_path, cuda_pg,
         assert all(slot.pinned for slot in held.values()), "the slots in /dev/shm were not page-locked"
         assert all(len(slot.chunk_pins) > 1 for slot in held.values()) == bool(piece)
         assert all(torch.equal(held[6].views[k], v) for k, v in expected[6].items()), "step 7's update leaked in"
-        assert all(torch.equal(held[s].views[k], v) for s in held for k, v in expected[s].items())
+        assert all(torch.equal(held[s].views[k], v) for s in held if s in expected for k, v in expected[s].items())
         for slot in held.values():
             assert slot.checksum == checksum(slot.buffer), "the checksum computed on the device != the slot's"
         restored = _state(seed=3)
