@@ -107,6 +107,7 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
             continue
         sources = found.sources(step)
         mine = sources[mgr.rank]
+        agreed = time.perf_counter() - began - discovered  # the tiers' listings, gathered, and the step chosen
         if mine == OWN:
             problem = _from_snapshot(mgr, state, step, while_copying, MEMORY if in_process else NODE_LOCAL)
         elif mine == PEER:
@@ -125,7 +126,7 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
         if not any(problems):
             if mine == OWN:
                 mgr.restored_from = MEMORY if in_process else NODE_LOCAL
-                times = {"discover": discovered, **snapshots.restore_times}
+                times = {"discover": discovered, "agree": agreed, **snapshots.restore_times}
                 snapshots.restore_times = {}
                 log.info("restored step %d from the %s tier (%s); %s", step, mgr.restored_from,
                          "in-process restart: no file read" if in_process else f"{snapshots.dir}: no checkpoint file read",
