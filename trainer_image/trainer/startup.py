@@ -42,6 +42,12 @@ from typing import Any
 
 STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
 """Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen (``trainer/standby.py``)."""
+FORKSERVER_DIR_ENV = "TRAINER_FORKSERVER_DIR"
+"""Exported by ``entrypoint.sh`` when ``TRAINER_FORKSERVER`` is on: where the node's fork server listens
+(``trainer/forkserver.py``), one per node (under the node's own job directory)."""
+FORKSERVER_SOCKET = "forkserver.sock"
+FORKSERVER_PID_ENV = "TRAINER_FORKSERVER_PID"
+"""The fork server's pid (``entrypoint.sh``): a worker launched while it imports waits for it while it lives."""
 FIRST_STEP_MARKER = "first-step-{rank}"
 """Written by a worker at the end of its first step (its command line and working directory, as JSON): the standby
 server may now warm a replacement for it, configured from that record (``trainer/prewarm.py``)."""
