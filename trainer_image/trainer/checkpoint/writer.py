@@ -347,11 +347,12 @@ class Writer:
         try:
             writer.start()
         except (OSError, EOFError) as exc:  # FT: the server is gone: NVRx spawns the writer as without one
-            log.warning("the node's fork server did not fork the checkpoint writer (%s: %s); it starts the ordinary way",
-                        type(exc).__name__, exc)
+            log.warning("the node's fork server did not fork the checkpoint writer (%s: %s); it starts the "
+                        "ordinary way", type(exc).__name__, exc)
             return queue
         caller.process, caller.rank = writer, rank  # NVRx starts a process only where it has none
         queue.persistent_caller = caller
+        log.info("checkpoint writer forked by the node's fork server (pid %d)", writer.pid)
         return queue
 
     def submit(self, data_path: Path, nbytes: int, layout: Layout, payload: dict[str, Any], path: Path,
