@@ -55,7 +55,8 @@ def probe(path: Path) -> int:
            if os.path.exists(f"/proc/self/fd/{fd}")]
     path.write_text(json.dumps({
         "pid": os.getpid(), "threads": threads, "python_threads": threading.active_count(),
-        "cuda_initialized": torch.cuda.is_initialized(), "nvidia_files": [f for f in fds if f.startswith("/dev/nvidia")],
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "nvidia_files": [f for f in fds if f.startswith("/dev/nvidia")],
         "rank_monitor_pid": RankInfo.get_for_current_rank().pid, "torch_imported_before": "torch" in PRELOADED,
         "cwd": os.getcwd(), "argv": sys.argv, "env_marker": os.environ.get("PROBE_MARKER"),
     }))

@@ -4,9 +4,9 @@ imported torch, NVRx and the trainer.
 Unit level: a real server process (``python -m trainer.forkserver serve``, its workers running the test target
 ``standby_target.py``) and real launched processes (``python -m trainer``) that hand themselves over to it through
 the standby's path (``trainer/handoff.py``); ``trainer.forkserver.Process`` children (how checkpoint writers are
-started). End to end, every job under ``entrypoint.sh`` runs through it (on by default): ``test_recovery.py``'s SIGKILL and OOM
-kill checks that every worker and writer of every attempt came from it (``assert_forked``), and the two-node tests
-(``test_nodes.py``) lose a node and finish bit-equal through it.
+started). End to end, every job under ``entrypoint.sh`` runs through it (on by default): ``test_recovery.py``'s
+SIGKILL and OOM kill checks that every worker and writer of every attempt came from it (``assert_forked``), and the
+two-node tests (``test_nodes.py``) lose a node and finish bit-equal through it.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def test_a_server_that_would_fork_a_thread_or_a_device_refuses():
     """``unfit`` (checked after the server's imports) names a second thread and an initialised CUDA."""
     result = subprocess.run([sys.executable, "-c", UNFIT], env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert result.stdout.splitlines() == ["None", "CUDA was initialised by its imports", "2 threads after its imports"], \
-        result.stderr
+    expected = ["None", "CUDA was initialised by its imports", "2 threads after its imports"]
+    assert result.stdout.splitlines() == expected, result.stderr
 
 
 def _forked(server: Server, target, *args) -> forkserver.Process:

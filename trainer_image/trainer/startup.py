@@ -5,8 +5,9 @@ rank (``start phases (s): ...``) and, on rank 0 after a fault, in the ledger's `
 Phases of a new process, in order (each ends where the next begins):
 
 - ``import``: interpreter start, argument parsing and module imports (from the process's creation, read from
-  ``/proc``); when a warm standby (``trainer/standby.py``) took over, the launched process's start and the handoff
-  (the clock's origin is still the launched process's creation);
+  ``/proc``); when a warm standby (``trainer/standby.py``) or a child of the node's fork server
+  (``trainer/forkserver.py``) took over, the launched process's start and the handoff (the clock's origin is still
+  the launched process's creation);
 - ``resources``: device and CUDA context, dataset, metrics and checkpoint manager (``Resources.create``);
 - ``layers``: recovery ledger, node health checks, heartbeat client (``resiliency.Layers``);
 - ``wrapper``: the in-process Wrapper's stores and monitor process, and the heartbeat connection, until
