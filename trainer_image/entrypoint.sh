@@ -59,8 +59,8 @@
 #   TRAINER_FORKSERVER                  True/False (or 1/0): run the node's fork server (trainer/forkserver.py), which
 #                                       imports torch, NVRx and the trainer once before ft_launcher starts and then
 #                                       forks every worker ft_launcher launches (the first ones and each in-job
-#                                       restart's, where no warm standby takes the rank) and every checkpoint
-#                                       writer, so none of them imports them again. It makes no thread and no CUDA
+#                                       restart's, where no warm standby takes the rank), every warm standby and
+#                                       every checkpoint writer, so none of them imports them again. It makes no thread and no CUDA
 #                                       context; each forked worker makes its own. Costs one Python process per node
 #                                       with those modules imported. If it is gone, processes start the ordinary way
 #                                       (one line each says so). Default True

@@ -222,3 +222,40 @@ def test_a_forked_writer_exits_when_its_owner_dies(server, tmp_path):
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_standby_server_forks_its_standbys_which_die_with_it(server, tmp_path):
+    """With a fork server, a warm standby is its child (no imports of its own); it takes a launched worker over as
+    a spawned one does, and a standby not yet taken dies with the standby server that asked for it."""
+    directory = tmp_path / "standby"
+    directory.mkdir()
+    log = tmp_path / "standby-server.log"
+    with log.open("w") as err:
+        standbys = subprocess.Popen([sys.executable, "-m", "trainer.standby", "serve", "--nproc", "1", "--dir",
+                                     str(directory), "--target", TARGET], stderr=err, cwd=REPO,
+                                    env={**server.env(), "TRAINER_STANDBY_DIR": str(directory)},
+                                    start_new_session=True)
+    warm = lambda: [int(p) for p in re.findall(r"warm in [\d.]+ s \(pid (\d+)\)", log.read_text())]  # noqa: E731
+    try:
+        (directory / "first-step-0").touch()
+        _wait(lambda: len(warm()) == 1, "the standby's warm-up")
+        assert _parent(warm()[0]) == server.proc.pid, log.read_text()
+        proxy = launch(directory, "exit", "3")
+        _, err = proxy.communicate(timeout=60)
+        assert proxy.returncode == 3 and f"standby worker (pid {warm()[0]}, warm for" in err, err
+        (directory / "first-step-0").touch()
+        _wait(lambda: len(warm()) == 2, "the replacement's warm-up")
+        replacement = warm()[1]
+        assert _parent(replacement) == server.proc.pid
+        os.kill(standbys.pid, signal.SIGKILL)
+        standbys.wait()
+        _wait(lambda: not _alive(replacement), "the standby's death with its server")
+    finally:
+        if standbys.poll() is None:
+            standbys.kill()
+            standbys.wait()
+    assert "spawning one" not in log.read_text()

@@ -228,14 +228,16 @@ def _environ(pid: int) -> dict[bytes, bytes]:
 
 
 def _standby_processes(tag: str) -> list[int]:
-    """Standbys (warm, or running as workers) whose command line names ``tag`` (their job's directory)."""
+    """Standbys (warm, or running as workers) whose command line names ``tag`` (their job's directory); forked by
+    the node's fork server, they have its command line."""
     pids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"trainer.standby" in cmdline and tag.encode() in cmdline and _alive(int(entry)):
+        forked = b"trainer.forkserver" in cmdline  # the node's fork server and its children (standbys among them)
+        if (b"trainer.standby" in cmdline or forked) and tag.encode() in cmdline and _alive(int(entry)):
             pids.append(int(entry))
     return pids
 

@@ -5,8 +5,9 @@ A restarted worker spends most of its start importing torch, the trainer and NVR
 node, ``python -m trainer.standby serve``, which keeps at most one warm standby process per local rank in
 ``$TRAINER_STANDBY_DIR``:
 
-- a standby (``python -m trainer.standby warm``) is spawned for local rank R once R's current worker finished its
-  first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or a restore;
+- a standby (``python -m trainer.standby warm``; with the node's fork server, ``trainer/forkserver.py``, a child of
+  that server instead, whose imports it shares, ``forked_warm``) is spawned for local rank R once R's current worker
+  finished its first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or a restore;
   it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
   runs at the normal one). It imports what the trainer imports, sets its device and makes its CUDA context and a
   cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
@@ -31,6 +32,8 @@ import argparse
 import ctypes
 import importlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import selectors
 import signal
@@ -39,8 +42,10 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
+from trainer import forkserver
 from trainer.handoff import PR_SET_PDEATHSIG, answer, import_time_mismatch, receive, run_target, socket_path, take
 from trainer.startup import FIRST_STEP_MARKER, STANDBY_DIR_ENV
 
@@ -73,6 +78,8 @@ class Standby:
         self.job_cfg = None
         self.snapshot_files: list[str] = []
         self.premapper = None
+        self.taken = False
+        """A launched worker handed itself over: from then on its proxy, not the server, decides its life."""
 
     def warm(self) -> None:
         """Imports and the CUDA context, in a thread at the lowest priority."""
@@ -193,6 +200,7 @@ class Standby:
             listener.close()
             Path(path).unlink(missing_ok=True)
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)  # its life is its proxy's now
+            self.taken = True
             self._status(f"taken {time.time_ns()}")
             if self.status is not None:
                 self.status.close()
@@ -247,6 +255,46 @@ def warm_main(args: argparse.Namespace) -> int:
     return standby.serve()
 
 
+def forked_warm(local_rank: int, directory: str, target: str, status: Connection) -> None:
+    """A standby forked by the node's fork server (``Server._spawn``): its parent is that server, so it watches the
+    standby server that asked for it (its owner's pipe) and dies with it until it is taken, as a spawned standby
+    does by ``PR_SET_PDEATHSIG``."""
+    owner = multiprocessing.parent_process()
+    status_fd = os.dup(status.fileno())
+    status.close()
+    standby = Standby(local_rank, directory, target, status_fd)
+
+    def die_with_owner() -> None:
+        multiprocessing.connection.wait([owner.sentinel])
+        if not standby.taken:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_with_owner, name="standby-owner-watch", daemon=True).start()
+    standby.warm()
+    sys.exit(standby.serve())
+
+
+class _Forked:
+    """A forked standby (``trainer.forkserver.Process``) as the server keeps a spawned one (``subprocess.Popen``)."""
+
+    def __init__(self, process: forkserver.Process) -> None:
+        self.process, self.pid = process, process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+
 # --- the server -----------------------------------------------------------------------------------------------
 
 class _Rank:
@@ -290,14 +338,34 @@ class Server:
     def _spawn(self, rank: _Rank) -> None:
         read_end, write_end = os.pipe()
         os.set_blocking(read_end, False)
-        command = [sys.executable, "-m", "trainer.standby", "warm", "--local-rank", str(rank.rank), "--dir",
-                   self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end), "--target",
-                   self.target]
-        rank.proc = subprocess.Popen(command, pass_fds=(write_end,), stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # like ft_launcher's workers: no terminal signals
+        rank.proc = self._fork(rank, write_end)
+        if rank.proc is None:
+            command = [sys.executable, "-m", "trainer.standby", "warm", "--local-rank", str(rank.rank), "--dir",
+                       self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end), "--target",
+                       self.target]
+            rank.proc = subprocess.Popen(command, pass_fds=(write_end,), stdin=subprocess.DEVNULL,
+                                         start_new_session=True)  # like ft_launcher's workers: no terminal signals
         os.close(write_end)
         rank.pipe, rank.status, rank.spawned = read_end, b"", time.monotonic()
         self.selector.register(read_end, selectors.EVENT_READ, rank)
+
+    def _fork(self, rank: _Rank, status_fd: int) -> _Forked | None:
+        """A standby forked by the node's fork server (its imports are the server's); None without a server, or
+        when it is gone (one line: the standby is then spawned)."""
+        if not forkserver.available():
+            return None
+        status = Connection(os.dup(status_fd), readable=False)
+        try:
+            process = forkserver.Process(target=forked_warm, args=(rank.rank, self.directory, self.target, status),
+                                         name=f"standby-{rank.rank}")
+            process.start()
+            return _Forked(process)
+        except (OSError, EOFError) as exc:  # FT: the fork server is gone: spawned, it imports everything itself
+            _say(f"local rank {rank.rank}: the node's fork server did not fork a standby ({type(exc).__name__}: "
+                 f"{exc}); spawning one")
+            return None
+        finally:
+            status.close()
 
     def _read(self, rank: _Rank) -> None:
         """Everything the standby of ``rank`` has written to its status pipe."""
