@@ -1,5 +1,5 @@
-"""The node's fork server: torch, NVRx and the trainer imported once per node; every worker and checkpoint writer of
-the node is a fork of it.
+"""The node's fork server: torch, NVRx and the trainer imported once per node; every worker, warm standby and
+checkpoint writer of the node is a fork of it.
 
 How a process of a node comes to life. ``entrypoint.sh`` (knob ``TRAINER_FORKSERVER``, on by default) starts
 ``python -m trainer.forkserver serve --dir $TRAINER_FORKSERVER_DIR`` before ft_launcher, one per node (the
@@ -17,15 +17,18 @@ the server never runs) is copied into a child. It listens on ``forkserver.sock``
   or signal death passed on, a lifeline both ways). The child's pid is the worker's: NVRx's rank monitor, the
   reaper's ``owner-<pid>`` records and the exit-code files see it. Its CUDA context, process groups and threads
   are its own, made after the fork;
-- a **process** (``Process``: a checkpoint writer, ``trainer/checkpoint/writer.py``): a ``multiprocessing``
-  process whose preparation data and pickled object come through a pipe, as ``multiprocessing``'s own fork
-  server sends them; the server writes the child's pid, and later its exit code, to the requester's sentinel
-  pipe, which ``multiprocessing.popen_forkserver.Popen`` reads. The child takes the requester's stdio,
-  environment and working directory, and exits when its requester is gone (its sentinel).
+- a **process** (``Process``: a checkpoint writer, ``trainer/checkpoint/writer.py``, or a warm standby,
+  ``trainer/standby.py``'s ``forked_warm``): a ``multiprocessing`` process whose preparation data and pickled
+  object come through a pipe, as ``multiprocessing``'s own fork server sends them; the server writes the child's
+  pid, and later its exit code, to the requester's sentinel pipe, which ``multiprocessing.popen_forkserver.Popen``
+  reads. The child takes the requester's stdio, environment and working directory; its parent is the server, and
+  ``multiprocessing.parent_process()`` is its requester, whose end tells it when the requester is gone (a writer's
+  watchdog and a standby not yet taken exit then, as they do when their parent dies).
 
 The server reaps its children. When it is gone (killed, or it did not start), a worker's ``hand_over`` and a
-writer's ``Process.start`` find its socket refusing: each says so in one line and starts the ordinary way
-(``python -m trainer`` imports everything itself; the writer is spawned by NVRx). It dies with its entrypoint
+writer's or standby's ``Process.start`` find its socket refusing: each says so in one line and starts the ordinary
+way (``python -m trainer`` imports everything itself; NVRx spawns the writer; the standby server spawns the
+standby). It dies with its entrypoint
 (``PR_SET_PDEATHSIG``), which also stops it when the job ends; a child lives on without it (a worker belongs to its
 proxy, a writer to its worker).
 

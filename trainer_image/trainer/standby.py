@@ -7,8 +7,8 @@ node, ``python -m trainer.standby serve``, which keeps at most one warm standby 
 
 - a standby (``python -m trainer.standby warm``; with the node's fork server, ``trainer/forkserver.py``, a child of
   that server instead, whose imports it shares, ``forked_warm``) is spawned for local rank R once R's current worker
-  finished its first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or a restore;
-  it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
+  finished its first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or
+  a restore; it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
   runs at the normal one). It imports what the trainer imports, sets its device and makes its CUDA context and a
   cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
   warm without them and says so once). With a context, it then loads the kernels the worker's first steps would
