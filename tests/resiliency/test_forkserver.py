@@ -259,3 +259,28 @@ def test_the_standby_server_forks_its_standbys_which_die_with_it(server, tmp_pat
             standbys.kill()
             standbys.wait()
     assert "spawning one" not in log.read_text()
+
+
+def test_a_worker_launched_while_the_server_imports_waits_for_it(tmp_path):
+    """The first workers of a job are launched while the server still imports: they wait for its socket while its
+    process lives (``TRAINER_FORKSERVER_PID``), then are forked; once that process is gone, they start themselves."""
+    placeholder = subprocess.Popen(["sleep", "600"])  # stands for the server's process until its socket is there
+    env = {**_env(tmp_path), "TRAINER_FORKSERVER_DIR": str(tmp_path), "TRAINER_FORKSERVER_PID": str(placeholder.pid)}
+    env.pop("TRAINER_STANDBY_DIR")
+    proxy = subprocess.Popen([sys.executable, "-m", "trainer", "exit", "5"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    s = None
+    try:
+        s = Server(tmp_path)
+        _, err = proxy.communicate(timeout=60)
+        assert proxy.returncode == 5 and "forked by the node's fork server" in err, err
+    finally:
+        placeholder.kill()
+        placeholder.wait()
+        if s is not None:
+            s.close()
+    proxy = subprocess.Popen([sys.executable, "-m", "trainer", "--help-config"], env=env, cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proxy.communicate(timeout=120)
+    assert proxy.returncode == 0 and "[train]" in out, err
+    assert "fork server" in err and "starting normally" in err, err
