@@ -284,3 +284,11 @@ def test_a_worker_launched_while_the_server_imports_waits_for_it(tmp_path):
     out, err = proxy.communicate(timeout=120)
     assert proxy.returncode == 0 and "[train]" in out, err
     assert "fork server" in err and "starting normally" in err, err
+
+
+@pytest.mark.parametrize("value", ["yes", "2"])
+def test_entrypoint_rejects_a_bad_trainer_forkserver(value):
+    result = subprocess.run([str(REPO / "trainer_image" / "entrypoint.sh"), "--config", "tiny"], capture_output=True,
+                            text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "TRAINER_FORKSERVER": value})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"entrypoint: TRAINER_FORKSERVER must be True or False (1 or 0); got '{value}'"
