@@ -12,10 +12,10 @@ from collections import defaultdict
 
 KINDS = (  # the first pattern a command line matches names its kind
     (r"^\[fork-worker\]", "trainer worker (forked by the node's fork server)"),
-    (r"^\[fork-process\]", "checkpoint writer (forked by the node's fork server)"),
+    (r"^\[fork-process\]", "checkpoint writer or warm standby (forked by the node's fork server)"),
     (r"trainer\.forkserver", "fork server"),
     (r"spawn_main", "checkpoint writer (multiprocessing spawn)"),
-    (r"trainer\.standby", "warm standby"),
+    (r"trainer\.standby", "warm standby (spawned), or the standby server"),
     (r"ft_launcher|trainer\.resiliency\.launch", "launcher (entrypoint.sh's ft_launcher)"),
     (r"torchrun|torch\.distributed\.run", "torchrun"),
     (r" -m trainer( |$)|trainer/__main__", "trainer worker (python -m trainer)"),
