@@ -81,7 +81,7 @@ part_injob() {  # ~1 minute: one in-job restart (SIGKILL at step 35 of 45, node-
   faulty "$name" 1 --train.steps="${INJOB_STEPS:-$(( at + 10 ))}" --checkpoint.interval=10 \
     --checkpoint.persist_every=0 --resiliency.faults=0:"$at":sigkill
   python3 bench/figures.py recovery "$OUT/$name" | fig
-  grep -hE "start phases|standby|page-locked|restored step|injecting fault|Worker group|garbage collector" \
+  grep -hE "start phases|standby|fork server|forkserver|page-locked|restored step|injecting fault|Worker group|garbage collector" \
     "$OUT/$name.log" | cut -c1-260 > "$OUT/$name-events.log"
   rm -rf "$CKPT_ROOT/$name"
 }

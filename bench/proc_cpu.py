@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
         for pid in below & table.keys():
             try:  # the newest command line read (after an exec), but not a zombie's, which is empty
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:150]
+                if "trainer.forkserver" in cmd:  # its children share its command line; their names tell them apart
+                    cmd = f"[{open(f'/proc/{pid}/comm').read().strip()}] {cmd}"
             except OSError:
                 cmd = ""
             seen[pid] = (table[pid][1], cmd or seen.get(pid, (0.0, "?"))[1])

@@ -1,7 +1,8 @@
 """`bench/proc_cpu.py`'s per-process lines summed by kind of process: `python bench/proc_kinds.py PROCS.txt`.
 
-A kind is read from the command line (a trainer worker, a checkpoint writer started by multiprocessing's spawn, a
-launcher, a pytest process, ...); prints each kind's CPU seconds, its number of processes and the mean."""
+A kind is read from the command line (a trainer worker, a checkpoint writer started by multiprocessing's spawn or
+forked by the node's fork server, whose children `proc_cpu.py` names by their process name, a launcher, a pytest
+process, ...); prints each kind's CPU seconds, its number of processes and the mean."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import sys
 from collections import defaultdict
 
 KINDS = (  # the first pattern a command line matches names its kind
+    (r"^\[fork-worker\]", "trainer worker (forked by the node's fork server)"),
+    (r"^\[fork-process\]", "checkpoint writer or warm standby (forked by the node's fork server)"),
+    (r"trainer\.forkserver", "fork server"),
     (r"spawn_main", "checkpoint writer (multiprocessing spawn)"),
-    (r"trainer\.standby", "warm standby"),
+    (r"trainer\.standby", "warm standby (spawned), or the standby server"),
     (r"ft_launcher|trainer\.resiliency\.launch", "launcher (entrypoint.sh's ft_launcher)"),
     (r"torchrun|torch\.distributed\.run", "torchrun"),
     (r" -m trainer( |$)|trainer/__main__", "trainer worker (python -m trainer)"),

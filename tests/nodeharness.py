@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,15 +59,20 @@ class Node:
         return sorted(set(members) | set(process_tree(self.proc.pid)))
 
     def workers(self) -> list[int]:
-        """The node's training workers (``python -m trainer``, not the launcher nor a helper)."""
+        """The node's training workers: those the node's fork server forked (``fork-worker``, trainer/forkserver.py)
+        and the launched ``python -m trainer`` processes that run themselves; not the proxies of forked ones (named
+        by their worker's ``launched as pid`` line), the launcher nor a helper."""
+        proxies = {int(p) for p in re.findall(r"launched as pid (\d+)\)", self.output())}
         pids = []
         for pid in self.processes():
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
             except OSError:
                 continue
-            if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["trainer"] and \
-                    not any(a.endswith("ft_launcher") for a in argv):
+            launched = "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["trainer"] and \
+                not any(a.endswith("ft_launcher") for a in argv)
+            if name == "fork-worker" or (launched and pid not in proxies):
                 pids.append(pid)
         return pids
 

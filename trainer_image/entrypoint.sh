@@ -56,6 +56,14 @@
 #                                       that ft_launcher restarts hands its rank over to it, which skips most of
 #                                       the restart's start-up. Costs one Python process and one CUDA context per
 #                                       local rank. Default True only where an NVIDIA driver is present
+#   TRAINER_FORKSERVER                  True/False (or 1/0): run the node's fork server (trainer/forkserver.py), which
+#                                       imports torch, NVRx and the trainer once before ft_launcher starts and then
+#                                       forks every worker ft_launcher launches (the first ones and each in-job
+#                                       restart's, where no warm standby takes the rank), every warm standby and
+#                                       every checkpoint writer, so none of them imports them again. It makes no thread and no CUDA
+#                                       context; each forked worker makes its own. Costs one Python process per node
+#                                       with those modules imported. If it is gone, processes start the ordinary way
+#                                       (one line each says so). Default True
 #   TRAINER_COMPILE_AHEAD               0 turns off compiling the run's Triton kernels beside ft_launcher's start
 #                                       (trainer/compile_ahead.py; on by default where an NVIDIA device is present)
 #   TRAINER_JOB_SECRET_FILE             a file holding the job's secret, with which every request, reply and replica of
@@ -133,11 +141,14 @@ standby="${TRAINER_STANDBY:-}"
 if [[ -z "$standby" ]]; then
   [[ -e /proc/driver/nvidia/version ]] && standby=1 || standby=0  # on CPU hosts a restart has no CUDA to warm
 fi
-case "$standby" in
-  True|true|1) standby=1 ;;
-  False|false|0) standby=0 ;;
-  *) log "TRAINER_STANDBY must be True or False (1 or 0); got '$standby'"; exit "$CONFIG_ERROR" ;;
-esac
+forkserver="${TRAINER_FORKSERVER:-1}"
+for pair in "TRAINER_STANDBY:$standby" "TRAINER_FORKSERVER:$forkserver"; do
+  case "${pair#*:}" in True|true|1|False|false|0) ;; *)
+    log "${pair%%:*} must be True or False (1 or 0); got '${pair#*:}'"; exit "$CONFIG_ERROR" ;;
+  esac
+done
+[[ "$standby" == [Tt]rue || "$standby" == 1 ]] && standby=1 || standby=0
+[[ "$forkserver" == [Tt]rue || "$forkserver" == 1 ]] && forkserver=1 || forkserver=0
 
 [[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || { log "PET_NNODES must be N or MIN:MAX (>= 1); got '$nnodes'"; exit "$CONFIG_ERROR"; }
 pods="${nnodes##*:}" max_nodes="${TRAINER_NODES:-${nnodes##*:}}" min_nodes="${TRAINER_MIN_NODES:-}"
@@ -225,16 +236,16 @@ reap_node_memory() {
     done < "$owner"
   done
 }
-standby_pid="" ahead_pid=""
-stop_standby() {  # the server ends its warm standbys (and they die with it: PR_SET_PDEATHSIG)
-  [[ -n "$standby_pid" ]] || return 0
-  kill -s TERM "$standby_pid" 2>/dev/null
+standby_pid="" forkserver_pid="" ahead_pid=""
+stop_server() {  # $1: pid of a server; the standby server ends its warm standbys (they die with it: PR_SET_PDEATHSIG)
+  [[ -n "$1" ]] || return 0
+  kill -s TERM "$1" 2>/dev/null
   local i
-  for i in {1..50}; do kill -0 "$standby_pid" 2>/dev/null || break; sleep 0.1; done
-  kill -s KILL "$standby_pid" 2>/dev/null
-  wait "$standby_pid" 2>/dev/null
+  for i in {1..50}; do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+  kill -s KILL "$1" 2>/dev/null
+  wait "$1" 2>/dev/null
 }
-trap 'stop_standby; [[ -z "$ahead_pid" ]] || kill "$ahead_pid" 2>/dev/null; reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
+trap 'stop_server "$standby_pid"; stop_server "$forkserver_pid"; [[ -z "$ahead_pid" ]] || kill "$ahead_pid" 2>/dev/null; reap_node_memory; rm -rf -- "$job_tmp" ${snapshot_dir:+"$snapshot_dir"}' EXIT
 exit_dir="$job_tmp/exit-codes"
 mkdir "$exit_dir" || exit "$RESTART_BUDGET_EXHAUSTED"
 # Each local rank's device memory peak, noted by its worker for the one that takes over after it, which waits for the
@@ -273,6 +284,15 @@ if [[ "${TRAINER_COMPILE_AHEAD:-1}" != 0 && -e /dev/nvidiactl ]]; then
   WORLD_SIZE=$(( ${nnodes##*:} * nproc )) LOCAL_RANK=0 python3 -m trainer.compile_ahead "$@" </dev/null >/dev/null &
   ahead_pid=$!
   export TRAINER_COMPILE_AHEAD=started
+fi
+# The node's fork server (trainer/forkserver.py), started with the environment the workers inherit (a worker whose
+# import-time environment differs runs itself; one line says why), before ft_launcher so that it imports while the
+# launcher starts. Its socket is under this node's job directory: never shared with another node.
+if (( forkserver )) && mkdir "$job_tmp/forkserver"; then
+  export TRAINER_FORKSERVER_DIR="$job_tmp/forkserver"
+  python3 -m trainer.forkserver serve --dir "$TRAINER_FORKSERVER_DIR" -- "$@" </dev/null &
+  forkserver_pid=$!
+  export TRAINER_FORKSERVER_PID="$forkserver_pid"
 fi
 # Warm standby workers (trainer/standby.py), started with the environment the workers inherit, so what they
 # imported matches; a worker whose import-time environment differs runs itself (one line says why).

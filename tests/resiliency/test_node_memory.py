@@ -8,6 +8,7 @@ mapped (read from /proc while it runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import pytest
 
 from test_recovery import ENTRYPOINT, FT_ENV, GRACE, PRESET, VENV_BIN, events, node_dir
 from testlib import RESTARTED, free_port, run_session
+from trainer.ledger import read
 
 pytestmark = pytest.mark.multiprocess
 
@@ -101,6 +103,10 @@ class Watch:
 
     def _is_worker(self, pid: int, table: dict[int, tuple[int, list[str]]]) -> bool:
         argv = table[pid][1]
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "fork-worker":  # its environ is its server's
+                ledger = Path(self.run_dir) / "recovery.jsonl"
+                return any(r["pid"] == pid and str(r["rank"]) == self.kill_rank for r in read(ledger))
         if "trainer" not in argv or "--nnodes" in argv or argv[argv.index("trainer") - 1] != "-m":
             return False
         try:

@@ -181,7 +181,27 @@ def test_a_sigkill_and_an_oom_kill_are_recovered_in_job(tmp_path, tiny_dataset, 
         assert r["phases"]["before_start"] + r["phases"]["total"] == pytest.approx(r["recovery_s"], abs=0.05)
     restarts = events(tmp_path, "restart")
     assert {r["tier"] for r in restarts} == {"node-local"}, "a respawned worker resumes from host memory on its node"
+    assert_forked(tmp_path, out, attempts=3)
     assert_same_weights(tmp_path, reference)
+
+
+def assert_forked(run_dir, out, attempts):
+    """Every worker of every attempt, and every checkpoint writer, came from the node's fork server (on by default
+    in entrypoint.sh, trainer/forkserver.py): the ledger's processes (which record the exit codes) are the forked
+    ones, and each attempt's writer was forked during its worker's restore, before its first step ended, so before
+    any persist of that attempt."""
+    assert re.search(r"forkserver: ready in [\d.]+ s", out), out[-4000:]
+    forked = {int(p) for p in re.findall(r"forked by the node's fork server \(pid (\d+)\) for local rank", out)}
+    assert len(forked) == 2 * attempts, out[-4000:]
+    assert "starting normally" not in out and "starts the ordinary way" not in out, out[-4000:]
+    assert _pids_in_ledger(run_dir) <= forked, "the ledger's (and the exit-code files') processes are the forked ones"
+    assert f"workers' codes (attempt {attempts - 1}): 0 0; exiting 0" in out, "the forked workers recorded their codes"
+    for rank in (0, 1):
+        log = (Path(run_dir) / "logs" / f"trainer-rank{rank}.log").read_text().splitlines()
+        writers = [i for i, line in enumerate(log) if "checkpoint writer forked by the node's fork server" in line]
+        starts = [i for i, line in enumerate(log) if "start phases (s)" in line]
+        assert len(writers) == len(starts) == attempts, "one writer per attempt"
+        assert all(w < s for w, s in zip(writers, starts)), "each writer forked before its worker's first step ended"
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_dataset, reference):

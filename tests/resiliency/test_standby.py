@@ -24,7 +24,7 @@ from test_recovery import BASE, ENTRYPOINT, FT_ENV, GRACE, VENV_BIN, _assert_not
     events, node_dir, torchrun
 from testlib import REPO, free_port
 from trainer.checkpoint import load_model_weights
-from trainer.standby import import_time_mismatch
+from trainer.handoff import import_time_mismatch
 
 HERE = Path(__file__).parent
 TARGET = "standby_target:main"
@@ -115,7 +115,7 @@ def test_a_differing_cuda_visible_devices_is_refused_and_the_proxy_runs_itself(s
     proxy = launch(s.directory, "--help-config", CUDA_VISIBLE_DEVICES="1")
     out, err = proxy.communicate(timeout=120)
     assert proxy.returncode == 0 and "[train]" in out, err  # the trainer's own CLI, in the launched process
-    assert "refused: CUDA_VISIBLE_DEVICES differs (standby: '0', worker: '1'); starting normally" in err, err
+    assert "refused: CUDA_VISIBLE_DEVICES differs (taker: '0', worker: '1'); starting normally" in err, err
     assert "took over" not in err
     assert s.proc.poll() is None and (s.directory / "standby-0.sock").exists(), "still warm for the next one"
 
@@ -198,7 +198,7 @@ def test_import_time_environment(theirs, why):
     reason = import_time_mismatch(mine, {**mine, **theirs}, ["a"], ["a"])
     assert (reason is None) if why is None else (why in reason), reason
     assert "module search path" in import_time_mismatch(mine, mine, ["a"], ["b"])
-    assert "OMP_NUM_THREADS is set for the standby" in import_time_mismatch({"OMP_NUM_THREADS": "4"}, {}, [], [])
+    assert "OMP_NUM_THREADS is set for the taker" in import_time_mismatch({"OMP_NUM_THREADS": "4"}, {}, [], [])
 
 
 # --- end to end -----------------------------------------------------------------------------------------------
@@ -228,14 +228,16 @@ def _environ(pid: int) -> dict[bytes, bytes]:
 
 
 def _standby_processes(tag: str) -> list[int]:
-    """Standbys (warm, or running as workers) whose command line names ``tag`` (their job's directory)."""
+    """Standbys (warm, or running as workers) whose command line names ``tag`` (their job's directory); forked by
+    the node's fork server, they have its command line."""
     pids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"trainer.standby" in cmdline and tag.encode() in cmdline and _alive(int(entry)):
+        forked = b"trainer.forkserver" in cmdline  # the node's fork server and its children (standbys among them)
+        if (b"trainer.standby" in cmdline or forked) and tag.encode() in cmdline and _alive(int(entry)):
             pids.append(int(entry))
     return pids
 

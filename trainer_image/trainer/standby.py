@@ -5,9 +5,10 @@ A restarted worker spends most of its start importing torch, the trainer and NVR
 node, ``python -m trainer.standby serve``, which keeps at most one warm standby process per local rank in
 ``$TRAINER_STANDBY_DIR``:
 
-- a standby (``python -m trainer.standby warm``) is spawned for local rank R once R's current worker finished its
-  first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or a restore;
-  it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
+- a standby (``python -m trainer.standby warm``; with the node's fork server, ``trainer/forkserver.py``, a child of
+  that server instead, whose imports it shares, ``forked_warm``) is spawned for local rank R once R's current worker
+  finished its first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or
+  a restore; it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
   runs at the normal one). It imports what the trainer imports, sets its device and makes its CUDA context and a
   cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
   warm without them and says so once). With a context, it then loads the kernels the worker's first steps would
@@ -31,6 +32,8 @@ import argparse
 import ctypes
 import importlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import selectors
 import signal
@@ -39,25 +42,20 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
-from trainer.handoff import HEADER, socket_path
+from trainer import forkserver
+from trainer.handoff import PR_SET_PDEATHSIG, answer, import_time_mismatch, receive, run_target, socket_path, take
 from trainer.startup import FIRST_STEP_MARKER, STANDBY_DIR_ENV
 
 DEFAULT_TARGET = "trainer.cli:main"
 WARM_IMPORTS = {DEFAULT_TARGET: ("torch", "trainer.resiliency", "trainer.ledger", "trainer.train")}
 """What a standby imports for its target, besides the target's module: what ``trainer.cli`` imports lazily."""
-IMPORT_TIME_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "NVIDIA_TF32_OVERRIDE")
-IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "CUBLAS", "PYTHON")
-"""Variables read when the interpreter starts, torch is imported, or the CUDA context / cuBLAS handle is made
-(CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF, PYTHONPATH ...): a standby whose values differ refuses."""
-READ_LATER_PREFIXES = ("TORCH_NCCL_",)
-"""Read when a process group is created, after the handoff (ft_launcher sets TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
 POLL_S = 0.2
 MAX_FAILURES = 3
 """Standbys of one local rank that die before they are used, in a row, before the server stops making them."""
 WARM_NICE = 19
-PR_SET_PDEATHSIG = 1
 
 
 def _say(line: str) -> None:
@@ -65,67 +63,6 @@ def _say(line: str) -> None:
 
 
 # --- the standby process --------------------------------------------------------------------------------------
-
-def import_time_mismatch(mine: dict[str, str], theirs: dict[str, str], my_path: list[str],
-                         their_path: list[str]) -> str | None:
-    """Why a standby with environment ``mine`` cannot run a worker launched with ``theirs`` (None: it can)."""
-    if my_path != their_path:
-        return f"the module search path differs (standby: {my_path}, worker: {their_path})"
-    for name in sorted(set(mine) | set(theirs)):
-        checked = name in IMPORT_TIME_ENV or name.startswith(IMPORT_TIME_PREFIXES)
-        if not checked or name.startswith(READ_LATER_PREFIXES) or mine.get(name) == theirs.get(name):
-            continue
-        return f"{name} differs (standby: {mine.get(name)!r}, worker: {theirs.get(name)!r})"
-    if "OMP_NUM_THREADS" in mine and "OMP_NUM_THREADS" not in theirs:
-        return f"OMP_NUM_THREADS is set for the standby ({mine['OMP_NUM_THREADS']}), not for the worker"
-    return None
-
-
-WATCHER = """
-import ctypes, os, signal, socket, sys
-worker, fd = int(sys.argv[1]), int(sys.argv[2])
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the worker
-if os.getppid() != worker:
-    sys.exit(0)
-link = socket.socket(fileno=fd)
-while link.recv(64):
-    pass
-os.killpg(worker, signal.SIGKILL) if os.getpgid(worker) == worker else os.kill(worker, signal.SIGKILL)
-"""
-"""The lifeline's watcher, a child process of the worker: it blocks on the proxy's socket and ends the worker's
-process group when the proxy dies. A process, not a thread: a worker hung in a C call that holds the GIL (a stuck
-driver call) could not run a thread's kill."""
-
-
-class Lifeline:
-    """The worker's link to its proxy (the launched process): it reports the exit code, and ends the worker's
-    process group at once if the proxy dies first (ft_launcher's SIGKILL, ``kill -9``), as ft_launcher's own
-    SIGKILL of a worker's group would (``WATCHER``)."""
-
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn = conn
-        self.pid = os.getpid()
-        self._exit = os._exit
-
-    def start(self) -> None:
-        # FT: the proxy is this worker's only tie to ft_launcher: nothing may outlive it
-        subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHER, str(self.pid), str(self.conn.fileno())],
-                         pass_fds=(self.conn.fileno(),), stdin=subprocess.DEVNULL)
-        os.register_at_fork(after_in_child=self.conn.close)  # a forked child must not keep the proxy waiting
-        os._exit = self._reporting_exit  # the trainer's fast exits (SIGTERM, preemption deadline) report too
-
-    def report(self, code: int) -> None:
-        if os.getpid() != self.pid:
-            return
-        try:
-            self.conn.sendall(f"exit {int(code)}\n".encode())
-        except OSError:  # the proxy is gone: the watcher ends this process
-            pass
-
-    def _reporting_exit(self, code: int) -> None:
-        self.report(code)
-        self._exit(code)
-
 
 class Standby:
     """One warm standby of one local rank (``python -m trainer.standby warm``)."""
@@ -141,6 +78,8 @@ class Standby:
         self.job_cfg = None
         self.snapshot_files: list[str] = []
         self.premapper = None
+        self.taken = False
+        """A launched worker handed itself over: from then on its proxy, not the server, decides its life."""
 
     def warm(self) -> None:
         """Imports and the CUDA context, in a thread at the lowest priority."""
@@ -246,38 +185,29 @@ class Standby:
                 return self._run(*taken)
 
     def _handle(self, conn: socket.socket, listener: socket.socket, path: str) -> tuple | None:
-        fds: list[int] = []
+        try:
+            fds, request = receive(conn)
+        except (OSError, ValueError):
+            conn.close()
+            return None
         taken = False
         try:
-            conn.settimeout(10)
-            head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
-            if len(head) != HEADER.size or len(fds) != 3:
-                raise ValueError("a malformed request")
-            (size,) = HEADER.unpack(head)
-            body = b""
-            while len(body) < size:
-                chunk = conn.recv(size - len(body))
-                if not chunk:
-                    raise ValueError("a truncated request")
-                body += chunk
-            request = json.loads(body)
-            conn.settimeout(None)
             reason = import_time_mismatch(dict(os.environ), request["env"], sys.path, request["path"])
             if reason is None and request["env"].get("LOCAL_RANK", "0") != str(self.local_rank):
                 reason = f"it is warm for local rank {self.local_rank}, not {request['env'].get('LOCAL_RANK')}"
             if reason is not None:
-                conn.sendall((json.dumps({"ok": False, "reason": reason}) + "\n").encode())
+                answer(conn, False, reason)
                 raise ValueError(reason)
             # FT: taken: from here this process is the worker of that local rank; the server makes a replacement
             taken = True
             listener.close()
             Path(path).unlink(missing_ok=True)
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)  # its life is its proxy's now
+            self.taken = True
             self._status(f"taken {time.time_ns()}")
             if self.status is not None:
                 self.status.close()
-            group = os.getpgrp() == os.getpid()
-            conn.sendall((json.dumps({"ok": True, "pid": os.getpid(), "group": group}) + "\n").encode())
+            answer(conn, True)
         except (OSError, ValueError, KeyError) as exc:
             for fd in fds:
                 os.close(fd)
@@ -288,24 +218,7 @@ class Standby:
         return conn, fds, request
 
     def _run(self, conn: socket.socket, fds: list[int], request: dict) -> int:
-        lifeline = Lifeline(conn)
-        lifeline.start()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target_fd, fd in enumerate(fds):
-            os.dup2(fd, target_fd)
-            os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.argv = list(request["argv"])
-        torch = sys.modules.get("torch")
-        threads = request["env"].get("OMP_NUM_THREADS", "")
-        if torch is not None and threads.isdigit() and int(threads) > 0:
-            torch.set_num_threads(int(threads))
-        startup = sys.modules.get("trainer.startup")
-        if startup is not None:  # the start clock's origin is the launched process's creation
-            startup.CLOCK = startup.StartClock(origin=float(request["start_time"]))
+        lifeline = take(conn, fds, request)
         premapped = ""
         if self.premapper is not None:  # FT: stopped before the restore that takes its mappings
             self.premapper.stop()
@@ -315,25 +228,7 @@ class Standby:
         print(f"trainer: standby worker (pid {os.getpid()}, warm for {time.monotonic() - self.ready_at:.1f} s) "
               f"took over local rank {self.local_rank} (rank {request['env'].get('RANK', '?')}, launched as pid "
               f"{request['pid']}){premapped}", file=sys.stderr, flush=True)
-        module, function = self.target.split(":")
-        try:
-            code = getattr(importlib.import_module(module), function)(sys.argv[1:])
-        except SystemExit as exc:
-            code = exc.code
-        except KeyboardInterrupt:
-            code = 128 + signal.SIGINT
-        except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        if code is None:
-            code = 0
-        elif not isinstance(code, int):
-            print(code, file=sys.stderr)
-            code = 1
-        lifeline.report(code)  # again from os._exit, if an exit handler ends the process another way
-        return code
+        return run_target(self.target, lifeline)
 
     def _status(self, line: str) -> None:
         if self.status is not None and not self.status.closed:
@@ -380,6 +275,46 @@ def warm_main(args: argparse.Namespace) -> int:
     return standby.serve()
 
 
+def forked_warm(local_rank: int, directory: str, target: str, status: Connection) -> None:
+    """A standby forked by the node's fork server (``Server._spawn``): its parent is that server, so it watches the
+    standby server that asked for it (its owner's pipe) and dies with it until it is taken, as a spawned standby
+    does by ``PR_SET_PDEATHSIG``."""
+    owner = multiprocessing.parent_process()
+    status_fd = os.dup(status.fileno())
+    status.close()
+    standby = Standby(local_rank, directory, target, status_fd)
+
+    def die_with_owner() -> None:
+        multiprocessing.connection.wait([owner.sentinel])
+        if not standby.taken:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_with_owner, name="standby-owner-watch", daemon=True).start()
+    standby.warm()
+    sys.exit(standby.serve())
+
+
+class _Forked:
+    """A forked standby (``trainer.forkserver.Process``) as the server keeps a spawned one (``subprocess.Popen``)."""
+
+    def __init__(self, process: forkserver.Process) -> None:
+        self.process, self.pid = process, process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+
 # --- the server -----------------------------------------------------------------------------------------------
 
 class _Rank:
@@ -423,14 +358,34 @@ class Server:
     def _spawn(self, rank: _Rank) -> None:
         read_end, write_end = os.pipe()
         os.set_blocking(read_end, False)
-        command = [sys.executable, "-m", "trainer.standby", "warm", "--local-rank", str(rank.rank), "--dir",
-                   self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end), "--target",
-                   self.target]
-        rank.proc = subprocess.Popen(command, pass_fds=(write_end,), stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # like ft_launcher's workers: no terminal signals
+        rank.proc = self._fork(rank, write_end)
+        if rank.proc is None:
+            command = [sys.executable, "-m", "trainer.standby", "warm", "--local-rank", str(rank.rank), "--dir",
+                       self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end), "--target",
+                       self.target]
+            rank.proc = subprocess.Popen(command, pass_fds=(write_end,), stdin=subprocess.DEVNULL,
+                                         start_new_session=True)  # like ft_launcher's workers: no terminal signals
         os.close(write_end)
         rank.pipe, rank.status, rank.spawned = read_end, b"", time.monotonic()
         self.selector.register(read_end, selectors.EVENT_READ, rank)
+
+    def _fork(self, rank: _Rank, status_fd: int) -> _Forked | None:
+        """A standby forked by the node's fork server (its imports are the server's); None without a server, or
+        when it is gone (one line: the standby is then spawned)."""
+        if not forkserver.available():
+            return None
+        status = Connection(os.dup(status_fd), readable=False)
+        try:
+            process = forkserver.Process(target=forked_warm, args=(rank.rank, self.directory, self.target, status),
+                                         name=f"standby-{rank.rank}")
+            process.start()
+            return _Forked(process)
+        except (OSError, EOFError) as exc:  # FT: the fork server is gone: spawned, it imports everything itself
+            _say(f"local rank {rank.rank}: the node's fork server did not fork a standby ({type(exc).__name__}: "
+                 f"{exc}); spawning one")
+            return None
+        finally:
+            status.close()
 
     def _read(self, rank: _Rank) -> None:
         """Everything the standby of ``rank`` has written to its status pipe."""

@@ -5,8 +5,9 @@ rank (``start phases (s): ...``) and, on rank 0 after a fault, in the ledger's `
 Phases of a new process, in order (each ends where the next begins):
 
 - ``import``: interpreter start, argument parsing and module imports (from the process's creation, read from
-  ``/proc``); when a warm standby (``trainer/standby.py``) took over, the launched process's start and the handoff
-  (the clock's origin is still the launched process's creation);
+  ``/proc``); when a warm standby (``trainer/standby.py``) or a child of the node's fork server
+  (``trainer/forkserver.py``) took over, the launched process's start and the handoff (the clock's origin is still
+  the launched process's creation);
 - ``resources``: device and CUDA context, dataset, metrics and checkpoint manager (``Resources.create``);
 - ``layers``: recovery ledger, node health checks, heartbeat client (``resiliency.Layers``);
 - ``wrapper``: the in-process Wrapper's stores and monitor process, and the heartbeat connection, until
@@ -42,6 +43,12 @@ from typing import Any
 
 STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
 """Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen (``trainer/standby.py``)."""
+FORKSERVER_DIR_ENV = "TRAINER_FORKSERVER_DIR"
+"""Exported by ``entrypoint.sh`` when ``TRAINER_FORKSERVER`` is on: where the node's fork server listens
+(``trainer/forkserver.py``), one per node (under the node's own job directory)."""
+FORKSERVER_SOCKET = "forkserver.sock"
+FORKSERVER_PID_ENV = "TRAINER_FORKSERVER_PID"
+"""The fork server's pid (``entrypoint.sh``): a worker launched while it imports waits for it while it lives."""
 FIRST_STEP_MARKER = "first-step-{rank}"
 """Written by a worker at the end of its first step (its command line and working directory, as JSON): the standby
 server may now warm a replacement for it, configured from that record (``trainer/prewarm.py``)."""

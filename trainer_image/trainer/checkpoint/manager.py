@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from trainer import forkserver
 from trainer.checkpoint import hostmem, reaper, reshard, storage
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
@@ -257,7 +258,7 @@ class CheckpointManager:
         # FT: page-locking the slots holds the CUDA driver for seconds: not during the restore and the first step
         self.snapshots.start_prepare()
         if self.cfg.async_save and self.cfg.persist_every > 0:
-            self.writer.start()  # spawning it imports torch: seconds the first write would otherwise wait
+            self.writer.start()  # spawned (no fork server), it imports torch: not during the restore and first step
 
     def before_step(self, step: int) -> None:
         """Called at the start of ``step``: a snapshot whose copy landed since the last step's check becomes one
@@ -320,6 +321,8 @@ class CheckpointManager:
         it failed its check) and no other step is left, ``state``'s entries are replaced by ``fresh()``'s and its
         step, RNG and data position put back as they were before the restore."""
         self._require_bound()
+        if self.cfg.async_save and self.cfg.persist_every > 0 and forkserver.available():
+            self.writer.start()  # FT: forked, it costs no import: ready long before the first persist falls due
         self.persistent.remove_incomplete()
         self.persistent.save_bytes = self.persistent.estimate_save_bytes(state)
         problem = storage.room_problem(self.dir, self.persistent.save_bytes, self.cfg.keep) if self.rank == 0 else ""

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -21,7 +22,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from nvidia_resiliency_ext.checkpointing.async_ckpt import core as nvrx_async
+from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest, PersistentAsyncCaller
+
+from trainer import forkserver
 
 from trainer.checkpoint.layout import CHUNK_BYTES, PARTIAL_SUFFIX
 from trainer.checkpoint.slots import Layout, map_file, map_views
@@ -251,10 +255,14 @@ def _exit_when_orphaned() -> None:
     _watchdog_started = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # FT: preemption must not kill an in-flight save
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
+    parent, owner = os.getppid(), multiprocessing.parent_process()
+    if owner is not None and owner.pid != parent:  # forked by the node's fork server: the owner's pipe tells
+        owner_alive = owner.is_alive
+    else:
+        owner_alive = lambda: os.getppid() == parent  # noqa: E731
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while owner_alive():
             time.sleep(_ORPHAN_CHECK_S)
         os._exit(_EXIT_ORPHANED)
 
@@ -318,10 +326,34 @@ class Writer:
 
     def start(self) -> None:
         """Start the background process now (a collective-free no-op request), so the first persistent write does
-        not wait seconds for it to spawn and import torch while its snapshot slot stays locked. Idempotent."""
+        not wait for it to start while its snapshot slot stays locked. Idempotent."""
         if self._queue is None:
-            self._queue = AsyncCallsQueue(persistent=True)
+            self._queue = self._new_queue()
             self._queue.schedule_async_request(AsyncRequest(writer_ready, (), []))
+
+    @staticmethod
+    def _new_queue() -> AsyncCallsQueue:
+        """NVRx's persistent queue; its process forked by the node's fork server (``trainer/forkserver.py``:
+        torch, NVRx and this module already imported, so it is ready in a fraction of a spawn's time), else, without
+        one, spawned by NVRx (which imports them)."""
+        queue = AsyncCallsQueue(persistent=True)
+        if not forkserver.available():
+            return queue
+        caller = PersistentAsyncCaller()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        level = logging.getLogger(nvrx_async.__name__).getEffectiveLevel()
+        writer = forkserver.Process(target=PersistentAsyncCaller.async_loop, name=f"checkpoint-writer-{rank}",
+                                    args=(rank, caller.queue, caller.preload_q, caller.comp_q, level))
+        try:
+            writer.start()
+        except (OSError, EOFError) as exc:  # FT: the server is gone: NVRx spawns the writer as without one
+            log.warning("the node's fork server did not fork the checkpoint writer (%s: %s); it starts the "
+                        "ordinary way", type(exc).__name__, exc)
+            return queue
+        caller.process, caller.rank = writer, rank  # NVRx starts a process only where it has none
+        queue.persistent_caller = caller
+        log.info("checkpoint writer forked by the node's fork server (pid %d)", writer.pid)
+        return queue
 
     def submit(self, data_path: Path, nbytes: int, layout: Layout, payload: dict[str, Any], path: Path,
                fault: str, inline: bool) -> None:
@@ -333,7 +365,7 @@ class Writer:
             write_shard(*args, background=False)
         else:
             if self._queue is None:
-                self._queue = AsyncCallsQueue(persistent=True)
+                self._queue = self._new_queue()
             # no_dist everywhere: NVRx's own cross-rank checks all-reduce CUDA tensors; ours run at commit on gloo.
             self._queue.schedule_async_request(AsyncRequest(write_shard, args, []))
         self.busy = True
