@@ -187,6 +187,34 @@ def test_a_slot_file_without_a_snapshot_keeps_the_standbys_locked_mapping_as_an_
     assert driver.locked == {}, "a chunk the standby locked was never unlocked"
 
 
+def test_a_slot_file_whose_header_is_refused_is_left_as_it_is(tmp_path, pg, driver):
+    """A file with a header this process refuses (here another configuration; after a change of world size, the
+    old ranks' snapshots, which the restore may cut into the new shards) is not taken as an empty slot: its bytes
+    stay as they are and the standby's lock on it is released."""
+    state = make_state()
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    save_two_steps(mgr, state)
+    files = mgr.snapshot_files()
+    mgr.close()
+    other = next(s for s in mgr.snapshots.slots if s.step == 2)
+    meta = torch.load(other.meta_path, weights_only=True)
+    meta["config_hash"] = "0" * 64
+    torch.save(meta, other.meta_path)
+    before = other.data_path.read_bytes()
+    mapper = premap.Premapper(files, driver.register, driver.unregister)
+    for path in files:
+        mapper.refresh(path)
+    ahead = list(premap._REGISTRY[str(other.data_path)].chunks)
+    respawned = manager(tmp_path, persist_every=0, memory_slots=2)
+    try:
+        assert respawned.load_latest(make_state(seed=7)) == 1
+        assert respawned.snapshots.slots[other.index].buffer is None
+        assert all(("unregister", a) in driver.calls for a in ahead), "the standby's lock on it was kept"
+        assert other.data_path.read_bytes() == before, "a refused snapshot's bytes were changed"
+    finally:
+        respawned.close(job_over=True)
+
+
 def test_manager_names_no_slot_files_without_the_node_local_tier(tmp_path, pg):
     mgr = manager(tmp_path, node_local=False)
     try:

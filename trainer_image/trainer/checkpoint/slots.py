@@ -172,8 +172,7 @@ class Slot:
     """Cleared while ``SnapshotStore.prepare`` reserves this slot in the background."""
 
     def ensure(self, layout: Layout, nbytes: int, pin: bool) -> None:
-        """Map (and pin on CUDA) the slot for this layout. A mapping that is large enough (prepared at start, or
-        an earlier save) is kept: only the views are rebuilt when the layout changed."""
+        """Map (and pin on CUDA) the slot for this layout; a large enough mapping is kept, its views rebuilt."""
         self.reserve(nbytes, pin)
         if layout != self.layout or not self.views:
             assert self.buffer is not None
@@ -451,8 +450,9 @@ class SnapshotStore:
             slot.layout, slot.views = expected, map_views(slot.buffer, expected)
             slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
             self._expected_checksum[slot.index] = meta["checksum"]
-        for slot in self.slots:  # FT: a file with no snapshot that the standby page-locked: an empty slot, locked
-            if slot.buffer is None and only is None and (kept := premap.adopt(slot.data_path, expected, nbytes)):
+        for slot in self.slots:  # FT: a headerless file the standby locked: kept empty (a header's may be resharded)
+            if slot.buffer is None and only is None and not slot.meta_path.exists() and (
+                    kept := premap.adopt(slot.data_path, expected, nbytes)):
                 slot.buffer, slot.chunk_pins, slot.layout, slot.views = kept.buffer, kept.chunks, expected, {}
         return self.held_steps()
 
