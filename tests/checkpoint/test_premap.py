@@ -145,23 +145,31 @@ def test_a_respawned_worker_restores_from_the_standbys_mapping_and_releases_it_o
     assert driver.locked == {}, "a chunk the standby locked was never unlocked"
 
 
+def _worker_dies_with_step_2_changed(tmp_path, driver, change):
+    """A worker saves steps 1 and 2 into its two slots and dies; ``change(slot)`` alters step 2's slot files; then
+    its standby maps and locks both files. Returns that slot and the chunks the standby locked of it."""
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    save_two_steps(mgr, make_state())
+    files = mgr.snapshot_files()
+    mgr.close()
+    slot = next(s for s in mgr.snapshots.slots if s.step == 2)
+    change(slot)
+    mapper = premap.Premapper(files, driver.register, driver.unregister)
+    for path in files:
+        mapper.refresh(path)
+    return slot, list(premap._REGISTRY[str(slot.data_path)].chunks)
+
+
 def test_a_slot_file_without_a_snapshot_keeps_the_standbys_locked_mapping_as_an_empty_slot(tmp_path, pg, driver):
     """The dead worker was copying a snapshot into one slot (no header: not a snapshot). The standby had locked that
     file too: the respawned worker keeps the mapping as that slot's empty buffer, locked chunks and all (locking it
     again after the first step held the driver under the first steps for seconds), with every byte outside its
     tensors zeroed (the checksum counts them); its next snapshot lands there and restores bit-identical."""
-    state = make_state()
-    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
-    save_two_steps(mgr, state)
-    files = mgr.snapshot_files()
-    mgr.close()
-    cut = next(s for s in mgr.snapshots.slots if s.step == 2)
-    cut.meta_path.unlink()  # the copy of step 2 was cut off: its header never written
-    cut.data_path.write_bytes(b"\xff" * cut.data_path.stat().st_size)  # another layout's bytes, say
-    mapper = premap.Premapper(files, driver.register, driver.unregister)
-    for path in files:
-        mapper.refresh(path)
-    ahead = list(premap._REGISTRY[str(cut.data_path)].chunks)
+    def cut_off(slot) -> None:
+        slot.meta_path.unlink()  # the copy of step 2 was cut off: its header never written
+        slot.data_path.write_bytes(b"\xff" * slot.data_path.stat().st_size)  # another layout's bytes, say
+
+    cut, ahead = _worker_dies_with_step_2_changed(tmp_path, driver, cut_off)
     respawned = manager(tmp_path, persist_every=0, memory_slots=2)
     try:
         restored = make_state(seed=7)
@@ -191,20 +199,13 @@ def test_a_slot_file_whose_header_is_refused_is_left_as_it_is(tmp_path, pg, driv
     """A file with a header this process refuses (here another configuration; after a change of world size, the
     old ranks' snapshots, which the restore may cut into the new shards) is not taken as an empty slot: its bytes
     stay as they are and the standby's lock on it is released."""
-    state = make_state()
-    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
-    save_two_steps(mgr, state)
-    files = mgr.snapshot_files()
-    mgr.close()
-    other = next(s for s in mgr.snapshots.slots if s.step == 2)
-    meta = torch.load(other.meta_path, weights_only=True)
-    meta["config_hash"] = "0" * 64
-    torch.save(meta, other.meta_path)
+    def other_config(slot) -> None:
+        meta = torch.load(slot.meta_path, weights_only=True)
+        meta["config_hash"] = "0" * 64
+        torch.save(meta, slot.meta_path)
+
+    other, ahead = _worker_dies_with_step_2_changed(tmp_path, driver, other_config)
     before = other.data_path.read_bytes()
-    mapper = premap.Premapper(files, driver.register, driver.unregister)
-    for path in files:
-        mapper.refresh(path)
-    ahead = list(premap._REGISTRY[str(other.data_path)].chunks)
     respawned = manager(tmp_path, persist_every=0, memory_slots=2)
     try:
         assert respawned.load_latest(make_state(seed=7)) == 1

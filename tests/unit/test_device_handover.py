@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -172,8 +173,8 @@ def test_a_standby_makes_its_context_only_where_the_worker_keeps_its_margin(monk
     from trainer import standby
     from trainer.checkpoint.staging import STANDBY_DEVICE_BYTES, device_margin
 
-    monkeypatch.setattr(device, "nvml_free", lambda index: lambda: int(free_gib * GIB))
-    monkeypatch.setattr(device, "device_total", lambda index: 80 * GIB)
+    reading = types.SimpleNamespace(free=int(free_gib * GIB), total=80 * GIB)  # NVML's memory info, its two fields
+    monkeypatch.setattr(device, "nvml_memory", lambda index: lambda: reading)
     need = STANDBY_DEVICE_BYTES + device_margin(80 * GIB)
     assert (free_gib * GIB >= need) == context  # the two cases straddle the need
     line = standby._no_room_for_a_context(0)

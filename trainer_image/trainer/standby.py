@@ -243,12 +243,13 @@ def _no_room_for_a_context(local_rank: int) -> str:
     ``staging.STANDBY_DEVICE_BYTES``, and the worker keeps ``staging``'s margin for its own growth. The worker's
     budget line (``checkpoint.device_staging``) counts a standby in; this checks what the device really has."""
     from trainer.checkpoint.staging import STANDBY_DEVICE_BYTES, device_margin
-    from trainer.resiliency.device import device_total, nvml_free
+    from trainer.resiliency.device import nvml_memory
 
-    free, total = nvml_free(local_rank), device_total(local_rank)
-    if free is None or total is None:
+    memory = nvml_memory(local_rank)
+    if memory is None:
         return ""
-    have, need = free(), STANDBY_DEVICE_BYTES + device_margin(total)
+    reading = memory()
+    have, need = int(reading.free), STANDBY_DEVICE_BYTES + device_margin(int(reading.total))
     if have >= need:
         return ""
     return (f"{have / 2**30:.1f} GiB free on cuda:{local_rank}, a standby's context and the worker's margin need "

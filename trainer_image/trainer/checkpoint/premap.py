@@ -17,6 +17,7 @@ locks the rest. A file that changed or vanished is unregistered and unmapped; so
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -90,19 +91,12 @@ def adopt(path: str | os.PathLike, layout: dict[str, tuple[str, int, tuple[int, 
             _drop(entry, None)
         return None
     end = 0
-    for start, stop in sorted((offset, offset + getattr(torch, dtype).itemsize * _count(shape))
+    for start, stop in sorted((offset, offset + getattr(torch, dtype).itemsize * math.prod(shape))
                               for dtype, offset, shape in layout.values()):
         entry.buffer[end:max(end, start)].zero_()
         end = max(end, stop)
     entry.buffer[end:].zero_()
     return entry
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def release_all(unregister: Callable[[int], None] | None = None) -> None:

@@ -194,8 +194,8 @@ def _from_snapshot(mgr: Any, state: dict[str, Any], step: int, while_copying: Ca
     with torch.no_grad():
         began = time.perf_counter()
         if tier == MEMORY and mgr.restore_on_device(slot, step, targets):  # the staging buffer still holds it
-            while_copying()
             mgr.snapshots.restore_times["device copy"] = time.perf_counter() - began
+            while_copying()
             problem = ""
         else:  # FT: verified while copied in (on the GPU: page-locked in chunks, checked there)
             problem = mgr.snapshots.restore(step, targets, while_copying)

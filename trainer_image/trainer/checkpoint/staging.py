@@ -138,12 +138,11 @@ class DeviceStagedCopy:
         (``CheckpointManager._settle_staged``), so it is never asked for here."""
         if self.step != step or slot.layout != self._layout or not all(k in self._views for k in targets):
             return False
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(self.buffer.device).wait_stream(self.stream)
+        training = torch.cuda.current_stream(self.buffer.device)
+        training.wait_stream(self.stream)
         for key, target in targets.items():
-            target.copy_(self._views[key], non_blocking=target.is_cuda)
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(self.buffer.device).synchronize()  # its time in the restore line is the copy's
+            target.copy_(self._views[key], non_blocking=target.is_cuda)  # a CPU-resident one (a step count) waits
+        training.synchronize()  # its time in the restore line is the copy's
         return True
 
     def drain_budget(self, step_s: float, remaining: int, steps_left: int | None, within: int | None = None) -> int | None:

@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger("trainer.resiliency")
 
@@ -96,9 +96,10 @@ def note_peak(record: "NeedRecord | None", device: object) -> None:
 
 
 # --- free memory ----------------------------------------------------------------------------------------------
-def nvml_free(index: int) -> Callable[[], int] | None:
-    """Free bytes of CUDA device ``index`` (as this process numbers it) through NVML, which makes no CUDA context:
-    a fresh worker can ask while its predecessor still fills the device. None where NVML is unavailable."""
+def nvml_memory(index: int) -> Callable[[], Any] | None:
+    """NVML's memory reading (``.free``, ``.total`` in bytes) of CUDA device ``index`` (as this process numbers it),
+    which makes no CUDA context: a fresh worker can ask while its predecessor still fills the device, and a standby
+    before it makes its own. None where NVML is unavailable."""
     try:
         import pynvml
 
@@ -107,19 +108,13 @@ def nvml_free(index: int) -> Callable[[], int] | None:
     except Exception as exc:  # noqa: BLE001 - no NVML library, no driver, an unknown device: the caller falls back
         log.debug("NVML unavailable for device %d: %s", index, exc)
         return None
-    return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle)
 
 
-def device_total(index: int) -> int | None:
-    """Total bytes of CUDA device ``index`` through NVML (no CUDA context); None where NVML is unavailable."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, index)).total)
-    except Exception as exc:  # noqa: BLE001 - as nvml_free
-        log.debug("NVML unavailable for device %d: %s", index, exc)
-        return None
+def nvml_free(index: int) -> Callable[[], int] | None:
+    """Free bytes of CUDA device ``index`` through NVML (``nvml_memory``); None where NVML is unavailable."""
+    memory = nvml_memory(index)
+    return None if memory is None else lambda: int(memory().free)
 
 
 def _nvml_handle(pynvml: object, index: int) -> object:
