@@ -2,7 +2,8 @@
 
 ``exit N``: print a line naming this process on stdout, return N. ``os_exit N``: ``os._exit(N)`` (the trainer's fast
 exits). ``sleep DIR``: write ``DIR/pid`` and wait; SIGTERM writes ``DIR/sigterm`` and exits 143. ``hang_gil DIR``: write
-``DIR/pid``, then sleep in a C call that holds the GIL. ``probe FILE``: write what this process inherited as JSON
+``DIR/pid``, then sleep in a C call that holds the GIL. ``hold DIR``: fill ``HOLD_MIB`` MiB of memory (a worker's
+large allocation: its release takes the kernel a while after a SIGKILL), then as ``sleep``. ``probe FILE``: write what this process inherited as JSON
 (its threads, torch's CUDA state, open ``/dev/nvidia*`` files, the pid NVRx's rank-monitor client reports) and
 return 0 (the fork server's tests, ``test_forkserver.py``).
 """
@@ -37,6 +38,12 @@ def main(argv: list[str]) -> int:
         (directory / "sigterm").write_text(str(os.getpid()))
         os._exit(143)
 
+    if action == "hold":
+        import mmap
+
+        held = mmap.mmap(-1, int(os.environ["HOLD_MIB"]) << 20)
+        for offset in range(0, len(held), mmap.PAGESIZE):
+            held[offset] = 1
     signal.signal(signal.SIGTERM, on_sigterm)
     (directory / "pid").write_text(str(os.getpid()))
     while True:

@@ -123,6 +123,40 @@ def test_sigterm_reaches_the_forked_worker_and_its_sigkill_is_the_proxys(server,
     assert proxy.returncode == -signal.SIGKILL, "ft_launcher must see a signal death"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.serial
+def test_a_sigkilled_worker_is_reported_before_the_kernel_has_released_its_memory(tmp_path):
+    """A worker killed with much memory takes the kernel a while to release it (seconds for a GPU worker's device
+    memory and page-locked slots); its proxy reports the signal death as the exit begins, so ft_launcher restarts
+    the rank meanwhile. Here 2 GiB of host memory: the proxy is gone while the worker is still being torn down (its
+    ``/proc`` entry not yet a zombie). Serial: the proxy's poll must not wait for a busy core."""
+    (tmp_path / "server").mkdir()
+    server = Server(tmp_path / "server")
+    try:
+        proxy = server.launch("hold", str(tmp_path), env={"HOLD_MIB": "2048"})
+        _wait(lambda: (tmp_path / "pid").exists(), "the worker's 2 GiB", timeout=120)
+        worker = int((tmp_path / "pid").read_text())
+        os.kill(worker, signal.SIGKILL)
+        while proxy.poll() is None:
+            assert not _torn_down(worker), "the proxy waited for the worker's teardown"
+        torn_down_after = not _torn_down(worker)
+        _, err = proxy.communicate(timeout=30)
+        assert proxy.returncode == -signal.SIGKILL, err
+        assert torn_down_after, "the worker's teardown ended before its proxy was reaped"
+        assert f"worker pid {worker} is exiting without an exit code (a signal)" in err, err
+    finally:
+        server.close()
+
+
+def _torn_down(pid: int) -> bool:
+    """Whether process ``pid`` released its memory: a zombie, or reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X")
+
+
 def test_a_differing_import_time_environment_is_refused(server):
     proxy = server.launch("--help-config", env={"CUDA_VISIBLE_DEVICES": "7"})
     out, err = proxy.communicate(timeout=120)

@@ -53,6 +53,8 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUS
 REPLY_TIMEOUT_S = 30.0
 """How long the launched process waits for a standby's answer before it runs itself (a standby that answers
 late finds this end closed and kills itself: never two workers for one rank)."""
+EXIT_POLL_S = 0.02
+"""How often a proxy looks whether its worker has begun to exit (``exiting``): a read of one ``/proc`` file."""
 HEADER = struct.Struct(">I")
 SERVER_START_WAIT_S = 300.0
 """How long a launched worker waits for the node's fork server to finish its imports (while its process lives)."""
@@ -136,7 +138,7 @@ def hand_over() -> int | None:
         _say(f"{who} refused: {reply.get('reason', '?')}; starting normally")
         return None
     signals.target(int(reply["pid"]))
-    code = _wait_for_exit(sock, rest)
+    code = _wait_for_exit(sock, rest, int(reply["pid"]))
     if code is not None:
         return code
     # FT: the worker died by a signal: stop its group (as ft_launcher stops a worker's) and die by one too
@@ -165,19 +167,69 @@ def _request(sock: socket.socket) -> tuple[dict, bytes]:
     return json.loads(line), rest
 
 
-def _wait_for_exit(sock: socket.socket, buffer: bytes) -> int | None:
+def _wait_for_exit(sock: socket.socket, buffer: bytes, pid: int) -> int | None:
     """The last ``exit <code>`` the worker sent before its end closed the socket (``buffer``: what was read with
-    the reply); None if it sent none."""
+    the reply); None if it sent none: it died by a signal.
+
+    A signal death is answered as soon as the worker begins to exit (``exiting``), not when its end of the socket
+    closes: a worker killed with tens of GiB of device memory and page-locked host memory takes seconds in the
+    kernel to release them, and its lifeline's watcher, which holds the same socket, goes only after that. Reported
+    at once, ft_launcher restarts the rank while the kernel is still at it; the worker that follows waits for the
+    memory it needs (``trainer/resiliency/device.py``) instead of the launcher waiting for all of it."""
     code: int | None = None
+    sock.settimeout(EXIT_POLL_S)
     while True:
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
             if line.startswith(b"exit "):
                 code = int(line.split()[1])
-        chunk = sock.recv(4096)
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            if code is None and exiting(pid):
+                # what the worker sent before its exit began is in the socket already: read it before deciding
+                sock.setblocking(False)
+                chunk = _drain(sock)
+                if b"\nexit " not in b"\n" + buffer + chunk:
+                    _say(f"worker pid {pid} is exiting without an exit code (a signal): reported before the "
+                         "kernel has released its memory")
+                    return None
+                sock.settimeout(EXIT_POLL_S)
+            else:
+                continue
         if not chunk:
             return code
         buffer += chunk
+
+
+def _drain(sock: socket.socket) -> bytes:
+    """What a non-blocking socket holds now."""
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+PF_EXITING = 0x4
+"""The kernel's flag of a task in ``do_exit`` (``/proc/PID/stat``'s ninth field): set when the exit begins, before the
+process's memory and files are released."""
+
+
+def exiting(pid: int) -> bool:
+    """Whether process ``pid`` has begun to exit (or is gone): its main thread is in the kernel's exit path, a zombie,
+    or has no ``/proc`` entry."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
 class _Forwarder:
