@@ -93,6 +93,26 @@ def test_the_need_is_written_when_the_peak_grows_and_read_by_the_successor(tmp_p
     assert device.wait_for_predecessor(0, 1.0, "no record") == 0.0
 
 
+def test_a_new_worker_waits_for_a_contexts_room_first_and_for_the_whole_need_before_its_model(tmp_path, monkeypatch):
+    """The two stages of a new worker's wait: its start up to the model runs beside the release of its predecessor's
+    memory (16 GiB free of 80 while 64 are held: room for a context), the model's build waits for the 60 GiB."""
+    monkeypatch.setenv(device.DEVICE_DIR_ENV, str(tmp_path))
+    device.NeedRecord.from_environ(0).note(60 * GIB, 80 * GIB)
+    stand_in = HeldBy(holder(), 64 * GIB)
+    monkeypatch.setattr(device, "nvml_free", lambda index: stand_in.free)
+    try:
+        assert device.wait_for_predecessor(0, 5.0, "first stage", at_most=device.CONTEXT_ROOM) == 0.0
+        with pytest.raises(device.DeviceHeld, match="the job needs 60.0 GiB"):
+            device.wait_for_predecessor(0, 0.3, "the model's build")
+        killer = subprocess.Popen([sys.executable, "-c", f"import os, time, signal; time.sleep(0.5); "
+                                             f"os.kill({stand_in.proc.pid}, signal.SIGKILL)"])
+        assert device.wait_for_predecessor(0, 20.0, "the model's build") >= 0.4
+        killer.wait(10)
+    finally:
+        stand_in.proc.kill()
+        stand_in.proc.wait()
+
+
 _FORKING_WORKER = """
 import multiprocessing, os, sys, time
 from trainer.resiliency import device

@@ -68,9 +68,10 @@ class Resources:
             log.info("%s", note)
         accumulation(cfg.train, env.world_size)  # a global batch this world size cannot take: one line, exit 2
         device_handover.install()  # FT: a child forked from this worker never keeps its device memory alive
-        if parallel.wants_cuda(cfg.train):  # FT: not before the predecessor of this local rank let go of the GPU
+        if parallel.wants_cuda(cfg.train):  # FT: a context's room now, the whole need before the model (train())
             device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s,
-                                                 "its previous worker's memory is being released")
+                                                 "its previous worker's memory is being released",
+                                                 at_most=device_handover.CONTEXT_ROOM)
         device = parallel.select_device(cfg.train, env)
         cfg.resiliency.check_collective_timeout(parallel.backend_for(device))
         if cfg.train.deterministic:
@@ -178,6 +179,9 @@ def train(
                  "%.2f GiB)", torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
         device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s, "after an in-process restart")
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
+    if not startup.CLOCK.reentry and device.type == "cuda":  # FT: the process group was made meanwhile
+        device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s,
+                                             "its previous worker's memory is being released, before the model's build")
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
     checkpointer.keepalive = ft.keepalive  # FT: a slow disk during a blocking save is not a hung rank

@@ -35,6 +35,7 @@ with a reason, when the device has less than twice its estimated memory free (``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -46,7 +47,10 @@ from trainer import parallel, startup
 from trainer.config import JobConfig
 from trainer.model import Transformer, count_params
 from trainer.optimizer import ADAMW_OPTIONS, adamw_implementation
+from trainer.resiliency import device as device_handover
 
+PREDECESSOR_WAIT_S = 30.0
+"""How long the warm-up waits for its memory while a dead predecessor's is released; then it is skipped."""
 BYTES_PER_PARAM = 8
 """A bare parameter: fp32, its compute-dtype copy and that copy's gradient (no optimizer state)."""
 
@@ -87,6 +91,7 @@ def warm_kernels(cfg: JobConfig, device: torch.device, world_size: int) -> str:
     """The warm-up (see the module's docstring) of an eager run on the CUDA ``device``, the current device of the
     calling thread; returns a line for the log: what ran and how long it took, or why it was skipped."""
     bare = bare_config(cfg)
+    _wait_for_predecessor(2 * estimate_bytes(bare), device)
     skipped = too_little_memory(estimate_bytes(bare), device)
     if skipped:
         return skipped
@@ -101,6 +106,18 @@ def warm_kernels(cfg: JobConfig, device: torch.device, world_size: int) -> str:
     return (f"warmed on {device} in {time.perf_counter() - started:.2f} s (one block at the run's shapes: "
             f"{bare.train.batch_size} x {bare.data.seq_len} tokens, vocabulary {bare.model.vocab_size}; Triton "
             f"kernels: {kernels}; optimizer: {optimizer})")
+
+
+def _wait_for_predecessor(need: int, device: torch.device) -> None:
+    """Where this rank's previous worker recorded its memory (it died, and the kernel may still be releasing what it
+    held: ``trainer/resiliency/device.py``), wait up to ``PREDECESSOR_WAIT_S`` for ``need`` bytes free; the start's
+    own wait for the whole need comes before the model's build, beside this."""
+    record = device_handover.NeedRecord.from_environ(device.index or 0)
+    if record is None or record.read() <= 0:
+        return
+    with contextlib.suppress(device_handover.DeviceHeld):
+        device_handover.wait_for_memory(need, lambda: int(torch.cuda.mem_get_info(device)[0]),
+                                        bound_s=PREDECESSOR_WAIT_S, label=str(device), why="the start's warm-up")
 
 
 def _model_pass(bare: JobConfig, device: torch.device) -> frozenset[str]:

@@ -10,10 +10,13 @@ standby (``trainer/standby.py``) takes over within milliseconds; its first alloc
 - **What the job needs** (``NeedRecord``): a worker notes its device's peak reserved memory (the caching allocator's,
   the snapshot's device staging buffer included) in ``$TRAINER_DEVICE_DIR/need-<local rank>.json`` after its first
   step and whenever that peak grows. ``entrypoint.sh`` makes the directory per pod: it outlives every worker.
-- **The wait** (``wait_for_predecessor``): a worker that takes over a local rank (a standby or a fresh process),
-  before its first allocation, and a worker re-entering ``train()`` after an in-process restart, waits until the
-  device's free memory (NVML, which needs no CUDA context; else the CUDA runtime's, where this process has one), plus
-  what this process itself caches, covers that need. One line says how long it waited and why; past
+- **The wait** (``wait_for_predecessor``): a worker that takes over a local rank (a standby or a fresh process)
+  waits until the device's free memory (NVML, which needs no CUDA context; else the CUDA runtime's, where this process
+  has one), plus what this process itself caches, covers that need; a worker re-entering ``train()`` after an
+  in-process restart too. A new worker waits in two stages: for ``CONTEXT_ROOM`` before it makes its CUDA context,
+  and for the whole need before its model is built. Its start until the model (recovery layers, in-process Wrapper,
+  process group) then runs while the kernel still releases the dead worker's memory, which its proxy reported as
+  the exit began (``trainer/handoff.py``). One line says how long it waited and why; past
   ``resiliency.device_wait_s`` it gives up with one line and exits ``UNHEALTHY_NODE``: something other than the
   job holds the device, and a new pod is what helps.
 - **Children let go** (``release_inherited_device_files``): a child forked from a worker (NVRx's in-process monitor
@@ -42,6 +45,9 @@ POLL_S = 0.05
 GROWTH_BYTES = 256 << 20
 """A peak that grew by less than this since the last record is not written again."""
 GIB = 2**30
+CONTEXT_ROOM = 3 * GIB
+"""What a new worker needs free before its first stage (``wait_for_predecessor``'s ``at_most``): a CUDA context,
+cuBLAS's workspaces and NCCL's buffers, with room to spare."""
 
 
 @dataclass
@@ -165,13 +171,15 @@ def wait_for_memory(need: int, free: Callable[[], int], held_by_me: int = 0, bou
                      "something outside the job holds it, replace the node")
 
 
-def wait_for_predecessor(local_rank: int, bound_s: float, why: str) -> float:
+def wait_for_predecessor(local_rank: int, bound_s: float, why: str, at_most: int | None = None) -> float:
     """Before a worker's allocations on ``local_rank``'s GPU (a new process taking over the local rank, or an
-    in-process restart re-entering ``train()``): waits for the memory its predecessor recorded (``NeedRecord``), the
-    memory this process caches counting as its own (a standby's, the failed attempt's). Returns the seconds waited
-    (0: nothing recorded, nothing to wait for)."""
+    in-process restart re-entering ``train()``): waits for the memory its predecessor recorded (``NeedRecord``), or
+    for ``at_most`` bytes of it (a first stage), the memory this process caches counting as its own (a standby's, the
+    failed attempt's). Returns the seconds waited (0: nothing recorded, nothing to wait for)."""
     record = NeedRecord.from_environ(local_rank)
     need = record.read() if record is not None else 0
+    if at_most is not None:
+        need = min(need, at_most)
     if need <= 0:
         return 0.0
     free = nvml_free(local_rank) or cuda_free(local_rank)
