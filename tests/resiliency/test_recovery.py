@@ -7,6 +7,7 @@ the run is left behind.
 """
 
 import os
+import random
 import re
 import signal
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testlib import MICRO_MODEL, REPO, free_port, run_session
+from testlib import MICRO_MODEL, REPO, fault_seed, free_port, run_session
 from trainer.checkpoint import FAULT_ENV, load_model_weights
 from trainer.ledger import read
 
@@ -182,6 +183,28 @@ def test_a_sigkill_and_an_oom_kill_are_recovered_in_job(tmp_path, tiny_dataset, 
     restarts = events(tmp_path, "restart")
     assert {r["tier"] for r in restarts} == {"node-local"}, "a respawned worker resumes from host memory on its node"
     assert_forked(tmp_path, out, attempts=3)
+    assert_same_weights(tmp_path, reference)
+
+
+def test_an_exception_resumes_in_process_from_the_last_whole_step(tmp_path, tiny_dataset, reference):
+    """An exception outside ``optimizer.step()`` leaves the last finished step whole in memory: the failed attempt's
+    end snapshots it (``trainer/checkpoint/atfault.py``) and both ranks resume from it, not from the last memory
+    checkpoint, where that saves 2 or more steps; the run still ends bit-identical to the fault-free one. Memory
+    checkpoints every 5 steps; the exception (rank 1) lands 2 to 4 steps after the one of step 5, as drawn: 1 step
+    behind it leaves the checkpoint as the restore point, 2 or 3 the step before the fault."""
+    seed = fault_seed()
+    at = random.Random(seed).randint(7, 9)
+    rc, out, _ = entrypoint(tmp_path, tiny_dataset, *INPROCESS, *GRACE, "--checkpoint.interval=5",
+                            f"--resiliency.faults=1:{at}:exception")
+    assert rc == 0, f"FAULT_SEED={seed} {out[-4000:]}"
+    whole = at - 1 if at - 1 - 5 >= 2 else 5
+    restarts = events(tmp_path, "restart")
+    assert sorted((r["rank"], r["layer"], r["resumed_step"], r["tier"]) for r in restarts) == [
+        (rank, "inprocess", whole, "memory") for rank in (0, 1)], f"FAULT_SEED={seed} {restarts}"
+    (recovered,) = events(tmp_path, "recovered")
+    assert recovered["steps_redone"] == at - 1 - whole, f"FAULT_SEED={seed} {recovered}"
+    staged = re.findall(r"snapshot of step (\d+), the last whole step before the fault, staged", out)
+    assert staged == ([str(whole)] * 2 if whole != 5 else []), f"FAULT_SEED={seed} {out[-4000:]}"
     assert_same_weights(tmp_path, reference)
 
 

@@ -97,6 +97,10 @@ class CheckpointConfig:
     written, so a fault at any step restores the newest snapshot taken 2 or more steps before it. ``auto``: 3 where
     the node's memory holds them (``hostmem``), else 2, said in one line. A memory checkpoint is never skipped
     because the disk is slow."""
+    snapshot_at_fault: bool = True
+    """An exception or a hang outside ``optimizer.step()`` leaves the last finished step whole in memory: the failed
+    attempt's end stages it into a free slot, so the in-process restart resumes from it instead of the last memory
+    checkpoint, where that saves 2 or more steps (``trainer/checkpoint/atfault.py``)."""
     node_local: bool = True
     """Publish each snapshot on the node (a header with a checksum beside the slot file) so a worker respawned
     on the same node resumes from it instead of the disk."""

@@ -26,6 +26,7 @@ from trainer import parallel, resiliency, startup, warmstart
 from trainer.checkpoint import CheckpointManager, committed_steps, premap
 from trainer.config import ConfigError, JobConfig, OptimConfig, accumulation, keep_global_batch
 from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
+from trainer.exitcodes import TrainerExit
 from trainer.hf import BaseModel
 from trainer.metrics import MetricsLogger, peak_bf16_flops
 from trainer.model import Transformer, count_params, flops_per_token
@@ -185,6 +186,7 @@ def train(
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
     checkpointer.keepalive = ft.keepalive  # FT: a slow disk during a blocking save is not a hung rank
+    state: dict[str, Any] | None = None
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
         startup.CLOCK.mark("process_group")
@@ -210,8 +212,10 @@ def train(
             res.warmup = None
             startup.CLOCK.mark("warm")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
-    except BaseException:
+    except BaseException as exc:
         startup.CLOCK.note("left_train")  # FT: the in-process restart's phases (startup.py)
+        if cfg.resiliency.inprocess and isinstance(exc, Exception) and not isinstance(exc, TrainerExit):
+            checkpointer.snapshot_at_fault(state)  # FT: the last whole step, for the in-process restart (atfault.py)
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
         # (which cannot be aborted) is released at once instead of at the collective timeout, and the in-process
         # restart beats the in-job one. NCCL is left to the in-process layer's abort (see below).
@@ -368,11 +372,13 @@ def _steps(
             if cfg.optim.grad_clip > 0:
                 grad_norm = parallel.clip_grad_norm_(model, cfg.optim.grad_clip)
         checkpointer.wait_for_staging()  # async-safety: the previous save's staging must be done
+        checkpointer.whole.updating()  # FT: a fault from here to the mark leaves no whole step to snapshot
         with ft.section("optimizer"):  # FT: local work only, like data
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         res.warm = True
         progress.step = step
+        checkpointer.whole.mark(step, state)  # FT: the step a fault before the next update snapshots (atfault.py)
         if samples:  # data.sample_log: which samples this rank trained in this step
             with samples.open("a") as f:
                 f.write(json.dumps({"step": step, **loader.take_served()}) + "\n")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from trainer import forkserver
 from trainer.checkpoint import hostmem, reaper, reshard, storage
+from trainer.checkpoint.atfault import Whole, WholeStep
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import FORMAT, VERSION
@@ -93,6 +94,8 @@ class CheckpointManager:
         self._copier: Any = None
         """How snapshots are copied into their slots (``staging``), chosen at the first one (after the first steps)."""
         self._live = LiveState()
+        self.whole = WholeStep()
+        """The last step that finished whole, for ``snapshot_at_fault``: marked by the training loop."""
         self._bound = False
         self._sources_read_at_unbind = False
         """The staged snapshot's copy had read its sources when the last attempt ended (``_settle_staged``)."""
@@ -130,6 +133,7 @@ class CheckpointManager:
             self.replicas.bind(self.coord)  # FT: who holds this rank's replicas, from this attempt's nodes
         self._bound = True
         self._live.invalidate()  # a new attempt builds a new model and optimizer
+        self.whole.updating()  # and has finished no step yet
         staged = self.snapshots.staged()
         if staged is not None:  # the attempt ended while copying into that slot
             self._settle_staged(staged)
@@ -418,7 +422,27 @@ class CheckpointManager:
                                        dist.ReduceOp.MAX)
         return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4], values[5] > 0
 
-    def _stage(self, slot: Slot, step: int, state: dict[str, Any]) -> None:
+    def snapshot_at_fault(self, state: dict[str, Any] | None) -> None:
+        """A failed attempt's end, before ``unbind``, on this rank alone (no collective): the last step that finished
+        whole (``trainer/checkpoint/atfault.py``) staged into a free slot, where it is newer than any snapshot by
+        ``atfault.MIN_STEPS`` and no snapshot is in flight. It becomes a snapshot at the next ``bind``."""
+        newest = self.snapshots.newest()
+        whole = self.whole.take(None if newest is None else newest.step)
+        if whole is None or state is None or not self.cfg.snapshot_at_fault or self.snapshots.staged() is not None:
+            return
+        slot = self.snapshots.choose()
+        if slot is None or not slot.ready.is_set():  # no slot free of a write, or one still being page-locked
+            return
+        try:
+            self._stage(slot, whole.step, state, whole)
+        except Exception as exc:  # e.g. a sticky CUDA error: the attempt's tensors cannot be read
+            slot.staging, slot.event, slot.sources_read = None, None, None
+            log.warning("no snapshot of step %d at the fault: %s", whole.step, str(exc).splitlines()[0] if str(exc) else exc)
+            return
+        log.info("snapshot of step %d, the last whole step before the fault, staged (the newest snapshot: %s)",
+                 whole.step, "none" if newest is None else f"step {newest.step}")
+
+    def _stage(self, slot: Slot, step: int, state: dict[str, Any], whole: Whole | None = None) -> None:
         locals_, pieces, optim_extra = self._live.get(state)
         if self._copier is None:
             device = next((t.device for t in locals_.values() if t.is_cuda), torch.device("cpu"))
@@ -427,9 +451,10 @@ class CheckpointManager:
             self._copier = choose_copier(self.cfg.device_staging, device, plan_layout(pieces)[1], self._stream)
         payload = {
             "format": FORMAT, "version": VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
-            "rank_state": rank_state(state), **optim_extra, "config_json": self.config_json,
+            "rank_state": rank_state(state) if whole is None else whole.rank_state, **optim_extra,
+            "config_json": self.config_json,
         }
-        self.snapshots.stage(slot, step, locals_, pieces, payload, self._copier)
+        self.snapshots.stage(slot, step, locals_, pieces, payload, self._copier, None if whole is None else whole.updated)
 
     def restore_on_device(self, slot: Slot, step: int, targets: dict[str, torch.Tensor]) -> bool:
         """An in-process restart's restore of ``step`` from the device staging buffer, where that buffer holds it

@@ -346,9 +346,9 @@ class SnapshotStore:
         return bool(self.defer_unready) and slot is not None and not slot.ready.is_set()
 
     def stage(self, slot: Slot, step: int, locals_: dict[str, torch.Tensor], pieces: dict[str, Piece],
-              payload: dict[str, Any], copier: Any) -> None:
-        """Copy this rank's tensors into ``slot`` with ``copier`` (``staging``: synchronously on CPU, on a side
-        stream on CUDA, where the slot becomes a snapshot at ``complete``)."""
+              payload: dict[str, Any], copier: Any, after: Any = None) -> None:
+        """Copy this rank's tensors into ``slot`` with ``copier`` (``staging``: synchronously on CPU, on a side stream
+        on CUDA after the training stream's work or the event ``after``; the slot is a snapshot at ``complete``)."""
         if not slot.ready.is_set():
             self._urgent.set()  # page-locking in pieces stops pausing: this save waits for it
         slot.ready.wait()  # reserved in the background (start_prepare)
@@ -361,7 +361,7 @@ class SnapshotStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         slot.ensure(layout, nbytes, pin=on_cuda)
         slot.pieces, slot.payload, slot.staging, slot.dirty, slot.checksum = pieces, payload, step, True, None
-        copier.copy(slot, locals_, checksum=self.node_local)
+        copier.copy(slot, locals_, checksum=self.node_local, after=after)
         if slot.event is None:
             self.complete(slot)
 

@@ -60,7 +60,7 @@ DRAIN_RATE_GUESS = 20e9
 class HostCopy:
     """CPU: a plain copy into the slot."""
 
-    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
+    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool, after: Any = None) -> None:
         for key, src in tensors.items():
             slot.views[key].copy_(src.detach())  # also CPU-resident state (Adam step): a snapshot
 
@@ -71,8 +71,8 @@ class DirectCopy:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
 
-    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
+    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool, after: Any = None) -> None:
+        _wait(self.stream, after)
         with torch.cuda.stream(self.stream):
             for key, src in tensors.items():
                 if slot.pinned and slot.pin_piece:  # one copy per page-locked piece
@@ -100,7 +100,7 @@ class DeviceStagedCopy:
         """The step whose tensors the buffer holds (set as their copy is queued). The buffer outlives an in-process
         restart, so the restore of that step copies it back on the device (``restore``), not from the host slot."""
 
-    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool) -> None:
+    def copy(self, slot: Slot, tensors: dict[str, torch.Tensor], checksum: bool, after: Any = None) -> None:
         nbytes = max(offset + _nbytes(dtype, shape) for dtype, offset, shape in slot.layout.values())
         self.step = slot.staging
         if slot.layout != self._layout:
@@ -110,7 +110,7 @@ class DeviceStagedCopy:
             self._layout, self._views = slot.layout, map_views(self.buffer, slot.layout)
         on_device = [(self._views[k], t.detach()) for k, t in tensors.items() if t.is_cuda]
         on_host = [(k, t.detach()) for k, t in tensors.items() if not t.is_cuda]
-        self.stream.wait_stream(torch.cuda.current_stream())
+        _wait(self.stream, after)
         with torch.cuda.stream(self.stream):
             for dst, src in on_device:  # a cudaMemcpyAsync each, on the copy engines: measured on H200 (1b, 588
                 dst.copy_(src, non_blocking=True)  # tensors), it slowed the next step less than one fused copy kernel
@@ -153,6 +153,15 @@ class DeviceStagedCopy:
             if seconds > 0 and nbytes >= SNAPSHOT_COPY_BYTES:
                 self.rate = nbytes / seconds
         return drain_part_bytes(step_s, self.rate, remaining, steps_left, within)
+
+
+def _wait(stream: Any, after: Any) -> None:
+    """``stream`` waits for the training stream's work so far, or only for the CUDA event ``after`` (a snapshot at a
+    fault: the step that finished whole, ``trainer/checkpoint/atfault.py``)."""
+    if after is None:
+        stream.wait_stream(torch.cuda.current_stream())
+    else:
+        stream.wait_event(after)
 
 
 def drain_part_bytes(step_s: float, rate: float, remaining: int, steps_left: int | None,
