@@ -187,8 +187,8 @@ def test_a_sigkill_and_an_oom_kill_are_recovered_in_job(tmp_path, tiny_dataset, 
 
 def assert_forked(run_dir, out, attempts):
     """Every worker of every attempt, and every checkpoint writer, came from the node's fork server (on by default
-    in entrypoint.sh, trainer/forkserver.py): the ledger's processes (which record the exit codes) are the forked
-    ones, and each attempt's writer was forked during its worker's restore, before its first step ended, so before
+    in entrypoint.sh, trainer/startup/forkserver.py): the ledger's processes (which record the exit codes) are the
+    forked ones, and each attempt's writer was forked during its worker's restore, before its first step ended, so before
     any persist of that attempt."""
     assert re.search(r"forkserver: ready in [\d.]+ s", out), out[-4000:]
     forked = {int(p) for p in re.findall(r"forked by the node's fork server \(pid (\d+)\) for local rank", out)}
