@@ -224,17 +224,17 @@ class Layers:
         self.starting = False
         clock = phases.CLOCK
         clock.mark("first_step")
-        phases = clock.take()
-        if phases is None:  # nothing marked since the last report
+        measured = clock.take()
+        if measured is None:  # nothing marked since the last report
             return None
         marks = clock.take_marks()
         if not clock.reentry:  # a new process: nothing of an in-process restart came before this start
             marks = {}
-        phases.report(log, phases, clock.reentry, marks)
+        phases.report(log, measured, clock.reentry, marks)
         phases.first_step_done(checkpointer.snapshot_files())  # FT: the standby server may now warm a replacement
         if self.call_wrapper is not None:  # what the Wrapper's full collections will scan at the next restart
             log.info("garbage collector: %s", phases.unfrozen_summary())
-        return {"origin": clock.origin, "end": clock.last_mark, "phases": phases, "marks": marks}
+        return {"origin": clock.origin, "end": clock.last_mark, "phases": measured, "marks": marks}
 
     def on_train_end(self, steps: int) -> None:
         self.preemption.drain()
