@@ -4,11 +4,11 @@
 (``figure: cold_phases``), each phase synchronised and timed in seconds:
 
 - ``context``: the CUDA context and a first kernel;
-- ``prewarm`` (variant ``prewarm`` only): ``trainer.prewarm.prewarm``, what a warm standby now runs before it is
-  needed (a small copy of the model trained one step, then freed);
+- ``prewarm`` (variant ``prewarm`` only): ``trainer.startup.warmup.for_standby``, what a warm standby runs before
+  it is needed (the warm-up's load stage at small shapes);
 - ``reserve`` (variant ``reserved`` only): one allocation of ``--reserve-gib`` freed into the allocator's cache,
   to show what the build and the first step pay for ``cudaMalloc``;
-- ``model``, ``optimizer``: ``build_model`` and ``build_optimizer`` of the configured model (``startup``'s
+- ``model``, ``optimizer``: ``build_model`` and ``build_optimizer`` of the configured model (``trainer.startup.phases``'
   ``model`` phase);
 - ``warm_up``: ``warm_up_step`` (the restore's warm-up forward and backward);
 - ``step_1``, ``step_2``: a forward, backward and optimizer step each.
@@ -31,7 +31,8 @@ PROBE = r"""
 import json, sys, time
 import torch
 from trainer.config import load_config
-from trainer.prewarm import one_rank_group, prewarm
+from trainer.parallel import one_rank_group
+from trainer.startup.warmup import for_standby
 from trainer.train import build_model, build_optimizer, warm_up_step
 variant, config, reserve_gib = sys.argv[1], sys.argv[2], float(sys.argv[3])
 overrides = sys.argv[4:]
@@ -49,7 +50,7 @@ torch.cuda.set_device(device)
 torch.ones(1, device=device).sum().item()
 lap("context")
 if variant == "prewarm":
-    t["prewarm_line"] = prewarm(cfg, device)
+    t["prewarm_line"] = for_standby(cfg, device, 1)
     lap("prewarm")
 if variant == "reserved":
     block = torch.empty(int(reserve_gib * 2**30), dtype=torch.uint8, device=device)

@@ -1,8 +1,9 @@
-"""On the GPU machine: does ``trainer/compile_ahead.py`` compile exactly what a run's worker then calls?
+"""On the GPU machine: does the warm-up's compile stage (``trainer/startup/warmup.py``) compile exactly what a run's
+worker then calls?
 
     source bench/gpu_env.sh && python bench/compile_ahead_check.py [DATA]
 
-With an empty Triton cache (a temporary ``TRITON_CACHE_DIR``), runs ``python -m trainer.compile_ahead`` for ``1b``
+With an empty Triton cache (a temporary ``TRITON_CACHE_DIR``), runs ``python -m trainer.startup.warmup`` for ``1b``
 eager at one rank (every kernel of ``trainer/kernels.py``: the loss, SwiGLU, the Triton AdamW), then calls each
 kernel in this process through the trainer's own launchers with the run's dtypes and integers (the loss over
 128,256 columns, SwiGLU over batch x sequence x FFN-width elements, AdamW on a parameter of 1b's integer class),
@@ -70,7 +71,7 @@ def main() -> int:
     warm, cold = tempfile.mkdtemp(prefix="triton-ahead-"), tempfile.mkdtemp(prefix="triton-cold-")
     env = {**os.environ, "TRITON_CACHE_DIR": warm, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     started = time.perf_counter()
-    ahead = subprocess.run([sys.executable, "-m", "trainer.compile_ahead", "--config", "1b", f"--data.path={data}",
+    ahead = subprocess.run([sys.executable, "-m", "trainer.startup.warmup", "--config", "1b", f"--data.path={data}",
                             "--train.compile=false"], env=env, capture_output=True, text=True, timeout=300)
     ahead_s = time.perf_counter() - started
     files_ahead = files(warm)

@@ -17,7 +17,7 @@ import torch
 from trainer import train
 from trainer.config import load_config
 from trainer.optimizer import LocalShardAdamW
-from trainer.prewarm import one_rank_group
+from trainer.parallel import one_rank_group
 
 
 def count() -> tuple[int, int]:

@@ -4,7 +4,7 @@
 and MFU over the logged steps after ``--skip`` warm-up steps (compilation, allocator warm-up), peak memory, losses.
 ``python bench/figures.py recovery RUN_DIR``: every ``recovered`` record of the recovery ledger (layer, fault,
 seconds from the fault to the first productive step, steps redone, and where those seconds went: ``phases``, see
-``trainer/startup.py``) and the ledger's goodput summary.
+``trainer/startup/phases.py``) and the ledger's goodput summary.
 ``python bench/figures.py goodput RUN_DIR --interval N``: goodput counted strictly from ``metrics.jsonl`` (a run logged
 with ``train.log_every=1``): the fault-free step time (median of every logged step) x the run's steps / the wall time
 from the first step's start to the last step's end; beside it the ledger's figure, start-up and the final save apart,
@@ -203,7 +203,7 @@ START_LINE = re.compile(r"^(\S+ \S+) .*start phases \(s\): (.*); ([\d.]+) s from
 
 
 def starts(run_dir: Path, rank: int) -> None:
-    """Each start's phases as logged by ``trainer.startup.report`` (one line per start and rank)."""
+    """Each start's phases as logged by ``trainer.startup.phases.report`` (one line per start and rank)."""
     log = run_dir / "logs" / f"trainer-rank{rank}.log"
     if not log.is_file():
         sys.exit(f"{log} not found")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first step of a new `1b` eager worker, with and without `resiliency.start_warmup` (trainer/warmstart.py),
+# The first step of a new `1b` eager worker, with and without `resiliency.start_warmup` (trainer/startup/warmup.py),
 # alternating, on one GPU: each run as the goodput run starts it (entrypoint.sh: compile-ahead, ft_launcher, the
 # in-process layer), 5 steps, its checkpoints on /dev/shm (the final save is not what is measured). The first run
 # fills Triton's cache, as a job's first start on a node does; the others find it filled.

@@ -92,7 +92,7 @@ part_recovery() {  # ~3 minutes: in-process (exception) and in-job (SIGKILL) rec
   # (in-process: memory tier) and the SIGKILL (in-job: node-local tier) land 5 steps after a snapshot.
   faulty "recovery" 1 --train.steps=60 --checkpoint.interval=10 --checkpoint.persist_every=0 \
     --resiliency.faults=0:25:exception,0:45:sigkill
-  python3 bench/figures.py recovery "$OUT/recovery" | fig  # recovery_s with its phases (trainer/startup.py)
+  python3 bench/figures.py recovery "$OUT/recovery" | fig  # recovery_s with its phases (trainer/startup/phases.py)
   python3 bench/figures.py starts "$OUT/recovery" | fig   # every start of rank 0, the first one included
   grep -hE "start phases|warm-up|restored step|injecting fault|term_ex|Worker group|joined round|checkpoint committed" \
     "$OUT/recovery.log" | cut -c1-260 > "$OUT/recovery-events.log"

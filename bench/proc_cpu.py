@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
         for pid in below & table.keys():
             try:  # the newest command line read (after an exec), but not a zombie's, which is empty
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:150]
-                if "trainer.forkserver" in cmd:  # its children share its command line; their names tell them apart
+                if "trainer.startup.forkserver" in cmd:  # its children share its command line; their names tell them apart
                     cmd = f"[{open(f'/proc/{pid}/comm').read().strip()}] {cmd}"
             except OSError:
                 cmd = ""

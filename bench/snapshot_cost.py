@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from trainer.config import load_config
-from trainer.prewarm import one_rank_group
+from trainer.parallel import one_rank_group
 from trainer.train import build_model, build_optimizer
 
 PIECE = 1 << 30

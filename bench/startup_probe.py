@@ -1,9 +1,9 @@
 """Where a new worker's cold start goes, each variant in a fresh interpreter (one JSON line each).
 
-``python bench/startup_probe.py [--device cuda]`` times, from the interpreter's creation (``trainer.startup``):
+``python bench/startup_probe.py [--device cuda]`` times, from the interpreter's creation (``trainer.startup.phases``):
 
 - ``serial``: import torch, make the CUDA context, then import the trainer's modules (the order before this work);
-- ``overlapped``: import torch, make the context in a background thread (``startup.warm_cuda``, as ``trainer.cli``
+- ``overlapped``: import torch, make the context in a background thread (``phases.warm_cuda``, as ``trainer.cli``
   now does) while the trainer's modules are imported, then wait for it (``torch.cuda.set_device``).
 
 Each line: ``import_torch_s``, ``context_s`` (``serial`` only), ``trainer_imports_s`` and ``total_s``. The difference
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
 import json, sys, time
-from trainer import startup
-origin = startup.process_start_time()
+from trainer.startup import phases
+origin = phases.process_start_time()
 mode, device = sys.argv[1], sys.argv[2]
 t = {}
 import torch
@@ -37,7 +37,7 @@ if mode == "serial":
     t["context_s"] = time.time() - mark
     mark = time.time()
 else:
-    startup.warm_cuda(device, 0)
+    phases.warm_cuda(device, 0)
 import trainer.train, trainer.resiliency, trainer.health, trainer.checkpoint.writer  # noqa: E401,F401
 from nvidia_resiliency_ext import inprocess  # noqa: F401
 from nvidia_resiliency_ext.inprocess import nested_restarter  # noqa: F401

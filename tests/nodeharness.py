@@ -59,9 +59,9 @@ class Node:
         return sorted(set(members) | set(process_tree(self.proc.pid)))
 
     def workers(self) -> list[int]:
-        """The node's training workers: those the node's fork server forked (``fork-worker``, trainer/forkserver.py)
-        and the launched ``python -m trainer`` processes that run themselves; not the proxies of forked ones (named
-        by their worker's ``launched as pid`` line), the launcher nor a helper."""
+        """The node's training workers: those the node's fork server forked (``fork-worker``,
+        trainer/startup/forkserver.py) and the launched ``python -m trainer`` processes that run themselves; not the
+        proxies of forked ones (named by their worker's ``launched as pid`` line), the launcher nor a helper."""
         proxies = {int(p) for p in re.findall(r"launched as pid (\d+)\)", self.output())}
         pids = []
         for pid in self.processes():

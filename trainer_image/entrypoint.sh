@@ -51,13 +51,13 @@
 #                                       keeps the global batch), default 30
 #   FT_ENABLE_NIC_MONITOR               True/False; default True only where an NVIDIA driver is present
 #   TRAINER_STANDBY                     True/False (or 1/0): keep one warm standby worker per local rank
-#                                       (trainer/standby.py: torch, the trainer and NVRx imported, its CUDA context
-#                                       made), warmed after that rank's worker finished its first step; a worker
+#                                       (trainer/startup/standby.py: torch, the trainer and NVRx imported, its
+#                                       CUDA context made), warmed after that rank's worker finished its first step; a worker
 #                                       that ft_launcher restarts hands its rank over to it, which skips most of
 #                                       the restart's start-up. Costs one Python process and one CUDA context per
 #                                       local rank. Default True only where an NVIDIA driver is present
-#   TRAINER_FORKSERVER                  True/False (or 1/0): run the node's fork server (trainer/forkserver.py), which
-#                                       imports torch, NVRx and the trainer once before ft_launcher starts and then
+#   TRAINER_FORKSERVER                  True/False (or 1/0): run the node's fork server
+#                                       (trainer/startup/forkserver.py), which imports torch, NVRx and the trainer once before ft_launcher starts and then
 #                                       forks every worker ft_launcher launches (the first ones and each in-job
 #                                       restart's, where no warm standby takes the rank), every warm standby and
 #                                       every checkpoint writer, so none of them imports them again. It makes no thread and no CUDA
@@ -65,7 +65,8 @@
 #                                       with those modules imported. If it is gone, processes start the ordinary way
 #                                       (one line each says so). Default True
 #   TRAINER_COMPILE_AHEAD               0 turns off compiling the run's Triton kernels beside ft_launcher's start
-#                                       (trainer/compile_ahead.py; on by default where an NVIDIA device is present)
+#                                       (the warm-up's compile stage, trainer/startup/warmup.py; on by default where an
+#                                       NVIDIA device is present)
 #   TRAINER_JOB_SECRET_FILE             a file holding the job's secret, with which every request, reply and replica of
 #                                       the peer tier is signed (trainer/checkpoint/peerauth.py). The launch step mounts
 #                                       the job's own Secret and sets it; the local launcher writes one per launch.
@@ -266,7 +267,7 @@ export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 # setting wins (expandable_segments:False turns it off). Nothing in the trainer shares CUDA tensors between
 # processes (CUDA IPC, which expandable segments may not support): the checkpoint writer gets host memory, the
 # standby handoff no tensors. Exported before the standby starts, which must see the workers' import-time
-# environment (trainer/standby.py).
+# environment (trainer/startup/standby.py).
 if [[ -z "${PYTORCH_ALLOC_CONF:-}" && -z "${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
   export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
@@ -275,30 +276,30 @@ fi
 pynvml_warning="ignore:The pynvml package is deprecated:FutureWarning"
 [[ ",${PYTHONWARNINGS:-}," == *",$pynvml_warning,"* ]] || export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}$pynvml_warning"
 # The run's Triton kernels compiled into Triton's on-disk cache while ft_launcher and the first workers start
-# (trainer/compile_ahead.py): one process per node, started before ft_launcher so that the launcher's own start-up
-# is a head start; the workers see TRAINER_COMPILE_AHEAD=started and start none of their own. It makes no CUDA
+# (the warm-up's compile stage, trainer/startup/warmup.py): one process per node, started before ft_launcher so
+# that the launcher's own start-up is a head start; the workers see TRAINER_COMPILE_AHEAD=started and start none of their own. It makes no CUDA
 # context, logs one line and exits 0; TRAINER_COMPILE_AHEAD=0 turns it off. Its world size is the largest the
 # job can have (PET_NNODES=MIN:MAX: MAX), which chooses the kernels of any size above one rank
 # (an elastic job that then runs at one rank compiles its one-rank kernels itself, as without this).
 if [[ "${TRAINER_COMPILE_AHEAD:-1}" != 0 && -e /dev/nvidiactl ]]; then
-  WORLD_SIZE=$(( ${nnodes##*:} * nproc )) LOCAL_RANK=0 python3 -m trainer.compile_ahead "$@" </dev/null >/dev/null &
+  WORLD_SIZE=$(( ${nnodes##*:} * nproc )) LOCAL_RANK=0 python3 -m trainer.startup.warmup "$@" </dev/null >/dev/null &
   ahead_pid=$!
   export TRAINER_COMPILE_AHEAD=started
 fi
-# The node's fork server (trainer/forkserver.py), started with the environment the workers inherit (a worker whose
+# The node's fork server (trainer/startup/forkserver.py), started with the environment the workers inherit (a worker whose
 # import-time environment differs runs itself; one line says why), before ft_launcher so that it imports while the
 # launcher starts. Its socket is under this node's job directory: never shared with another node.
 if (( forkserver )) && mkdir "$job_tmp/forkserver"; then
   export TRAINER_FORKSERVER_DIR="$job_tmp/forkserver"
-  python3 -m trainer.forkserver serve --dir "$TRAINER_FORKSERVER_DIR" -- "$@" </dev/null &
+  python3 -m trainer.startup.forkserver serve --dir "$TRAINER_FORKSERVER_DIR" -- "$@" </dev/null &
   forkserver_pid=$!
   export TRAINER_FORKSERVER_PID="$forkserver_pid"
 fi
-# Warm standby workers (trainer/standby.py), started with the environment the workers inherit, so what they
+# Warm standby workers (trainer/startup/standby.py), started with the environment the workers inherit, so what they
 # imported matches; a worker whose import-time environment differs runs itself (one line says why).
 if (( standby )) && mkdir "$job_tmp/standby"; then
   export TRAINER_STANDBY_DIR="$job_tmp/standby"
-  python3 -m trainer.standby serve --nproc "$nproc" --dir "$TRAINER_STANDBY_DIR" &
+  python3 -m trainer.startup.standby serve --nproc "$nproc" --dir "$TRAINER_STANDBY_DIR" &
   standby_pid=$!
 fi
 

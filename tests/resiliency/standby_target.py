@@ -73,8 +73,8 @@ def probe(path: Path) -> int:
 
 
 def process_report(path: str, code: int) -> None:
-    """A ``trainer.forkserver.Process`` target: write what it was given (pid, parent, owner, environment, working
-    directory) as JSON, then exit ``code``."""
+    """A ``trainer.startup.forkserver.Process`` target: write what it was given (pid, parent, owner, environment,
+    working directory) as JSON, then exit ``code``."""
     import json
     import multiprocessing
 
@@ -85,7 +85,8 @@ def process_report(path: str, code: int) -> None:
 
 
 def orphan_watch(path: str) -> None:
-    """A ``trainer.forkserver.Process`` target: the checkpoint writer's orphan watchdog, then wait (``DIR/pid``)."""
+    """A ``trainer.startup.forkserver.Process`` target: the checkpoint writer's orphan watchdog, then wait
+    (``DIR/pid``)."""
     from trainer.checkpoint.writer import _exit_when_orphaned
 
     _exit_when_orphaned()

@@ -1,10 +1,10 @@
-"""The node's fork server (trainer/forkserver.py): workers and checkpoint writers forked from one process that
+"""The node's fork server (trainer/startup/forkserver.py): workers and checkpoint writers forked from one process that
 imported torch, NVRx and the trainer.
 
-Unit level: a real server process (``python -m trainer.forkserver serve``, its workers running the test target
+Unit level: a real server process (``python -m trainer.startup.forkserver serve``, its workers running the test target
 ``standby_target.py``) and real launched processes (``python -m trainer``) that hand themselves over to it through
-the standby's path (``trainer/handoff.py``); ``trainer.forkserver.Process`` children (how checkpoint writers are
-started). End to end, every job under ``entrypoint.sh`` runs through it (on by default): ``test_recovery.py``'s
+the standby's path (``trainer/startup/handoff.py``); ``trainer.startup.forkserver.Process`` children (how
+checkpoint writers are started). End to end, every job under ``entrypoint.sh`` runs through it (on by default): ``test_recovery.py``'s
 SIGKILL and OOM kill checks that every worker and writer of every attempt came from it (``assert_forked``), and the
 two-node tests (``test_nodes.py``) lose a node and finish bit-equal through it.
 """
@@ -23,7 +23,7 @@ import pytest
 
 from test_standby import TARGET, _alive, _env, _wait, launch
 from testlib import REPO
-from trainer import forkserver
+from trainer.startup import forkserver
 
 HERE = Path(__file__).parent
 
@@ -33,7 +33,7 @@ class Server:
 
     def __init__(self, directory: Path, **env: str) -> None:
         self.directory = directory
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.forkserver", "serve", "--dir", str(directory),
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.startup.forkserver", "serve", "--dir", str(directory),
                                       "--target", TARGET], env=self.env(**env), cwd=REPO,
                                      stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
@@ -193,7 +193,7 @@ def test_a_dead_fork_server_degrades_to_ordinary_starts(tmp_path, caplog):
 
 UNFIT = """
 import threading, torch
-from trainer import forkserver
+from trainer.startup import forkserver
 print(forkserver.unfit())
 torch.cuda.is_initialized = lambda: True
 print(forkserver.unfit())
@@ -242,7 +242,7 @@ def test_a_forked_writer_exits_when_its_owner_dies(server, tmp_path):
     """The checkpoint writer's watchdog: a forked writer's parent is the server, so it watches its owner's pipe."""
     pid_file = tmp_path / "pid"
     owner = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, standby_target; from trainer import forkserver; "
+        [sys.executable, "-c", "import sys, time, standby_target; from trainer.startup import forkserver; "
          f"forkserver.Process(target=standby_target.orphan_watch, args=({str(pid_file)!r},)).start(); "
          "time.sleep(600)"],
         env={**server.env(), "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO / "trainer_image")])}, cwd=REPO)
@@ -269,7 +269,7 @@ def test_the_standby_server_forks_its_standbys_which_die_with_it(server, tmp_pat
     directory.mkdir()
     log = tmp_path / "standby-server.log"
     with log.open("w") as err:
-        standbys = subprocess.Popen([sys.executable, "-m", "trainer.standby", "serve", "--nproc", "1", "--dir",
+        standbys = subprocess.Popen([sys.executable, "-m", "trainer.startup.standby", "serve", "--nproc", "1", "--dir",
                                      str(directory), "--target", TARGET], stderr=err, cwd=REPO,
                                     env={**server.env(), "TRAINER_STANDBY_DIR": str(directory)},
                                     start_new_session=True)

@@ -210,8 +210,8 @@ def test_an_exception_resumes_in_process_from_the_last_whole_step(tmp_path, tiny
 
 def assert_forked(run_dir, out, attempts):
     """Every worker of every attempt, and every checkpoint writer, came from the node's fork server (on by default
-    in entrypoint.sh, trainer/forkserver.py): the ledger's processes (which record the exit codes) are the forked
-    ones, and each attempt's writer was forked during its worker's restore, before its first step ended, so before
+    in entrypoint.sh, trainer/startup/forkserver.py): the ledger's processes (which record the exit codes) are the
+    forked ones, and each attempt's writer was forked during its worker's restore, before its first step ended, so before
     any persist of that attempt."""
     assert re.search(r"forkserver: ready in [\d.]+ s", out), out[-4000:]
     forked = {int(p) for p in re.findall(r"forked by the node's fork server \(pid (\d+)\) for local rank", out)}

@@ -1,4 +1,4 @@
-"""Warm standby workers (trainer/standby.py, trainer/handoff.py).
+"""Warm standby workers (trainer/startup/standby.py, trainer/startup/handoff.py).
 
 Unit level: a real launched process (``python -m trainer``) hands itself over through a real unix socket to a real
 standby process that runs a trivial target (``standby_target.py``), or to the standby server's. End to end: a job
@@ -24,7 +24,7 @@ from test_recovery import BASE, ENTRYPOINT, FT_ENV, GRACE, VENV_BIN, _assert_not
     events, node_dir, torchrun
 from testlib import REPO, free_port
 from trainer.checkpoint import load_model_weights
-from trainer.handoff import import_time_mismatch
+from trainer.startup.handoff import import_time_mismatch
 
 HERE = Path(__file__).parent
 TARGET = "standby_target:main"
@@ -57,7 +57,7 @@ class Standby:
 
     def __init__(self, directory: Path, **env: str) -> None:
         self.directory = directory
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.standby", "warm", "--local-rank", "0", "--dir",
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.startup.standby", "warm", "--local-rank", "0", "--dir",
                                       str(directory), "--target", TARGET], env=_env(directory, **env), cwd=REPO,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         _wait(lambda: (directory / "standby-0.sock").exists() or self.proc.poll() is not None, "the standby's socket")
@@ -160,7 +160,7 @@ def test_kill_9_of_the_proxy_kills_the_worker(standby, tmp_path, action):
 def test_the_server_warms_after_the_first_step_and_its_standby_dies_with_it(tmp_path):
     directory = tmp_path / "standby"
     directory.mkdir()
-    server = subprocess.Popen([sys.executable, "-m", "trainer.standby", "serve", "--nproc", "1", "--dir",
+    server = subprocess.Popen([sys.executable, "-m", "trainer.startup.standby", "serve", "--nproc", "1", "--dir",
                                str(directory), "--target", TARGET], env=_env(directory), cwd=REPO,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -236,8 +236,8 @@ def _standby_processes(tag: str) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        forked = b"trainer.forkserver" in cmdline  # the node's fork server and its children (standbys among them)
-        if (b"trainer.standby" in cmdline or forked) and tag.encode() in cmdline and _alive(int(entry)):
+        forked = b"trainer.startup.forkserver" in cmdline  # the node's fork server and its children (standbys among them)
+        if (b"trainer.startup.standby" in cmdline or forked) and tag.encode() in cmdline and _alive(int(entry)):
             pids.append(int(entry))
     return pids
 

@@ -190,7 +190,7 @@ def test_an_oom_before_the_models_first_step_is_exit_2_and_after_it_a_fault_to_r
 def test_a_standby_makes_its_context_only_where_the_worker_keeps_its_margin(monkeypatch, free_gib, context):
     """A warm standby's CUDA context beside a worker that fills the card would take the worker's margin for growth
     (an OOM of the worker later): with too little free, the standby says so and makes none."""
-    from trainer import standby
+    from trainer.startup import standby
     from trainer.checkpoint.staging import STANDBY_DEVICE_BYTES, device_margin
 
     reading = types.SimpleNamespace(free=int(free_gib * GIB), total=80 * GIB)  # NVML's memory info, its two fields

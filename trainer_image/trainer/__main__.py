@@ -1,7 +1,7 @@
-from trainer.handoff import hand_over
+from trainer.startup.handoff import hand_over
 
-# FT: a warm standby of this local rank (trainer/standby.py), else a child of the node's fork server
-# (trainer/forkserver.py), runs the worker if one is there; this process is then its proxy
+# FT: a warm standby of this local rank (trainer/startup/standby.py), else a child of the node's fork server
+# (trainer/startup/forkserver.py), runs the worker if one is there; this process is then its proxy
 code = hand_over()
 if code is not None:
     raise SystemExit(code)

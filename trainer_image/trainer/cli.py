@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer import compile_ahead, startup
+from trainer.startup import phases, warmup
 from trainer.config import ConfigError, describe, parse_args
 from trainer.exitcodes import ExitCode, TrainerExit, classify, code_name, is_retryable, on_exit, record_exit
 
@@ -63,15 +63,15 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     except OSError as exc:
         return _config_error(f"train.run_dir: cannot write the log {log_path} ({exc.strerror or exc}); set "
                              "--train.run_dir to a writable directory")
-    # a new container's Triton kernels compiled in another process while this one starts (trainer/compile_ahead.py)
-    compile_ahead.spawn(sys.argv[1:] if argv is None else list(argv), cfg)
+    # a new container's Triton kernels compiled in another process while this one starts (startup/warmup.py)
+    warmup.spawn(sys.argv[1:] if argv is None else list(argv), cfg)
     # FT: a respawned worker's start: torch is imported, then its CUDA context is made while the rest is imported
-    startup.warm_cuda(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    phases.warm_cuda(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     from trainer import resiliency  # imports torch: after argument errors are reported
     from trainer.ledger import Ledger
     from trainer.train import Resources, train
 
-    startup.CLOCK.mark("import")
+    phases.CLOCK.mark("import")
     # one ledger for the process: its exit record names the step the training loop was in
     ledger = Ledger(cfg.train.run_dir, int(rank), int(os.environ.get("WORLD_SIZE", "1")))
     # FT: every way out records its exit in the ledger: the next attempt names it as its restart's cause
@@ -80,8 +80,8 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
     outcome: tuple[ExitCode, str] | None = None
     try:
         res = Resources.create(cfg)  # data, device and checkpoint-dir errors are classified like training's
-        res.start_warmup()  # FT: a new GPU worker loads its first step's kernels while it starts (warmstart.py)
-        startup.CLOCK.mark("resources")
+        res.start_warmup()  # FT: a new GPU worker loads its first step's kernels while it starts (startup/warmup.py)
+        phases.CLOCK.mark("resources")
         resiliency.run(res, train, ledger=ledger)
         outcome = ExitCode.OK, ""
     except (TrainerExit, Exception) as exc:

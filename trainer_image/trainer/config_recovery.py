@@ -227,14 +227,14 @@ class ResiliencyConfig:
     start_warmup: bool = True
     """GPU, eager: a new worker loads its first step's kernels (one bare block at the run's shapes, the loss, the
     optimizer's kernel) in a background thread while it builds its model and restores, and waits for it before the
-    first step (start phase ``warm``) instead of paying for them in that step (``trainer/warmstart.py``): a step 1
+    first step (start phase ``warm``) instead of paying for them in that step (``trainer/startup/warmup.py``): a step 1
     like the others, the start as a whole as long as without (BENCHMARKS.md, "First step of a new worker"). Skipped
     in a standby's worker (``standby_prewarm`` did it), for a compiled run, and on the CPU."""
     standby_prewarm: bool = True
-    """GPU, with warm standby workers (``TRAINER_STANDBY`` in ``entrypoint.sh``): a standby trains a small copy of
-    this model (one block, vocabulary <= 4096, 512 tokens) for two steps and frees it before it is needed, so the
-    worker it becomes finds the kernels loaded (``trainer/prewarm.py``). Skipped when the device has less than
-    twice its ~1.5 GiB free beside the running worker."""
+    """GPU, with warm standby workers (``TRAINER_STANDBY`` in ``entrypoint.sh``): a standby runs the same warm-up as
+    ``start_warmup`` at small shapes (one block, vocabulary <= 4096, one sequence of 512 tokens) before it is needed,
+    so the worker it becomes finds the kernels loaded (``trainer/startup/warmup.py``). Skipped when the device has
+    less than twice its estimated memory free beside the running worker."""
     standby_premap: bool = True
     """GPU, with warm standby workers: a standby maps and page-locks the node-local snapshot slots of the worker it
     may replace (the same pages: no extra memory), in the background at the lowest priority, so that an in-job

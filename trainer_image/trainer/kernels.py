@@ -16,7 +16,7 @@ one pass, with the arithmetic of the compiled path (fp32 inside, one rounding at
 
 ``train.kernels`` chooses (``trainer/parallel.py``): ``auto`` uses them on CUDA when Triton imports (SwiGLU only in
 eager mode: compiled, Inductor fuses it), never on CPU, so CPU runs stay bit-identical to their history.
-``compile_ahead`` compiles them for a run's sizes before its first step (``trainer/compile_ahead.py``). Imported
+``compile_ahead`` compiles them for a run's sizes before its first step (``trainer/startup/warmup.py``). Imported
 only when chosen (Triton is part of PyTorch's CUDA builds, not of its CPU wheels).
 """
 
@@ -208,7 +208,7 @@ def compile_ahead(which: frozenset[str], *, vocab: int, activation_numel: int, p
     (with clipping's coefficient when True), with the argument types and integers the launchers above pass for a
     model of this vocabulary, activation size (tokens x FFN width) and parameter sizes: Triton's cache key is the
     kernel, its constants, each pointer's dtype and each integer's class (1, a multiple of 16, 64-bit), so the run's
-    first calls find them in the on-disk cache (``trainer/compile_ahead.py``). Yields Triton's compiled kernels one
+    first calls find them in the on-disk cache (``trainer/startup/warmup.py``). Yields Triton's compiled kernels one
     by one, in the order a training step first calls them (SwiGLU's forward in the first block, the loss, its
     backward, SwiGLU's backward, then the optimizer's), so a worker that catches up finds the earliest ones done."""
     f32, i64, grid = torch.float32, torch.int64, (1,)

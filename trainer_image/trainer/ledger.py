@@ -49,7 +49,7 @@ Record schema (every record has ``event``, ``time`` (Unix seconds), ``rank``, ``
     the fault's step is unknown). ``phases`` (when the restart ran under ``resiliency.run``): where those seconds
     went: what came before the start (in-job ``before_start``: fault -> this process's creation; in-process
     ``detect``, ``abort``, ``wrapper``: fault -> abort -> re-entry of ``train()``), then the start's own phases and
-    their ``total`` (``trainer.startup``).
+    their ``total`` (``trainer.startup.phases``).
 ``{"event": "straggler_report", "step", "basis", "threshold", "slowest", "stragglers"}``
     Rank 0, every ``resiliency.straggler_report_every`` steps (``trainer.resiliency.straggler``): ``slowest`` are
     the (up to) three slowest ranks, ``stragglers`` the ranks below the threshold, each
@@ -203,8 +203,8 @@ class Ledger:
 
     def on_step_end(self, step: int, start: dict[str, Any] | None = None) -> None:
         """After every step; the first productive step after a restart writes ``recovered``. ``start``: the
-        phases of this (re)start (``{"origin": its wall time, "phases": {...}, "marks": {...}}``: ``startup``), when
-        measured."""
+        phases of this (re)start (``{"origin": its wall time, "phases": {...}, "marks": {...}}``:
+        ``trainer.startup.phases``), when measured."""
         self._done = step
         if self._pending is None or self.rank != 0:
             return
@@ -327,7 +327,7 @@ def productive_seconds(metrics_path: Path, steps: int) -> float:
 
 def in_process_phases(since: float, marks: dict[str, float], origin: float) -> dict[str, float]:
     """An in-process restart from the fault (``since``) to the re-entry of ``train()`` (``origin``), in phases named
-    by the moment each ends at (``trainer.startup``): ``unwind`` (the exception left ``train()``), ``detect`` (the
+    by the moment each ends at (``trainer.startup.phases``): ``unwind`` (the exception left ``train()``), ``detect`` (the
     abort began), ``abort`` (it ended), ``wrapper`` (the restartable function was called again), ``reconnect``
     (``train()`` entered). A moment not noted, or out of order, is left out: the next phase takes its time."""
     again = marks.get("called_again")

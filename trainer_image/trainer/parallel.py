@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +99,20 @@ def init_process_group(
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A process group of this one rank for the length of the block (the model's sharding asks for one), unless one
+    exists already; gone after: what the GPU benches use to build the model outside a launcher."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 def abort_process_group() -> None:
@@ -225,7 +241,7 @@ def triton_kernels(cfg: TrainConfig, device: torch.device) -> frozenset[str]:
 def set_kernels(model: nn.Module, cfg: TrainConfig, device: torch.device) -> frozenset[str]:
     """The kernels of ``[train]`` on an unwrapped ``model``: each block's RoPE kernel and activation (the Triton
     SwiGLU), and the loss; returns the Triton kernels that run (``triton_kernels``). Used by ``apply_fsdp`` and by
-    a new worker's warm-up (``trainer/warmstart.py``)."""
+    the warm-up of a process's kernels (``trainer/startup/warmup.py``)."""
     triton = triton_kernels(cfg, device)
     if triton:
         from trainer import kernels

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import parallel, resiliency, startup, warmstart
+from trainer import parallel, resiliency
 from trainer.checkpoint import CheckpointManager, committed_steps, premap
 from trainer.config import ConfigError, JobConfig, OptimConfig, accumulation, keep_global_batch
 from trainer.data import VERIFIED_FILE, ShardedTokens, TokenLoader
@@ -33,6 +33,7 @@ from trainer.model import Transformer, count_params, flops_per_token
 from trainer.optimizer import ADAMW_OPTIONS, LocalShardAdamW, adamw_implementation
 from trainer.profiling import StepProfiler
 from trainer.resiliency import device as device_handover
+from trainer.startup import phases, warmup
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,12 @@ class Resources:
     started_at: float = field(default_factory=time.time)
     warm: bool = False
     """A training step ran in this process: the allocator's cache and the kernels are warm."""
-    warmup: warmstart.Warmup | None = None
+    warmup: warmup.InBackground | None = None
     """``resiliency.start_warmup`` running beside this new process's start; joined before its first step."""
 
     def start_warmup(self) -> None:
-        """A new worker's warm-up in the background (``trainer/warmstart.py``), once its device is chosen."""
-        self.warmup = warmstart.start(self.cfg, self.device, self.env.world_size)
+        """A new worker's warm-up in the background (``trainer/startup/warmup.py``), once its device is chosen."""
+        self.warmup = warmup.for_new_worker(self.cfg, self.device, self.env.world_size)
 
     @classmethod
     def create(cls, cfg: JobConfig, env: parallel.DistEnv | None = None) -> "Resources":
@@ -174,13 +175,13 @@ def train(
     """Run (or resume) training up to ``train.steps``; returns the summary. Restartable in-process."""
     cfg, env, device = res.cfg, res.env, res.device
     ft = ft or resiliency.NULL()  # FT: recovery layers (resiliency.run); all no-ops when called directly
-    startup.CLOCK.entered_train()  # FT: phases of this (re)start, logged at its first step
-    if startup.CLOCK.reentry and device.type == "cuda":  # FT: what the failed attempt left allocated (its model?)
+    phases.CLOCK.entered_train()  # FT: phases of this (re)start, logged at its first step
+    if phases.CLOCK.reentry and device.type == "cuda":  # FT: what the failed attempt left allocated (its model?)
         log.info("in-process restart: %.2f GiB of device memory allocated at the re-entry of train() (peak so far "
                  "%.2f GiB)", torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
         device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s, "after an in-process restart")
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
-    if not startup.CLOCK.reentry and device.type == "cuda":  # FT: the process group was made meanwhile
+    if not phases.CLOCK.reentry and device.type == "cuda":  # FT: the process group was made meanwhile
         device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s,
                                              "its previous worker's memory is being released, before the model's build")
     checkpointer = res.checkpointer
@@ -189,7 +190,7 @@ def train(
     state: dict[str, Any] | None = None
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
-        startup.CLOCK.mark("process_group")
+        phases.CLOCK.mark("process_group")
 
         def fresh() -> dict[str, Any]:
             model = build_model(cfg, device)
@@ -199,21 +200,21 @@ def train(
                     "dataloader": loader, "ft": ft.ft_state}  # FT: heartbeats' learned timeouts are checkpointed
 
         state = fresh()
-        startup.CLOCK.mark("model")
+        phases.CLOCK.mark("model")
         # FT: memory, then node-local, then disk; a new GPU process warms up while the snapshot is copied in; a
         # step given up after it was copied in leaves a state built afresh
         restored = checkpointer.load_latest(state, while_copying=_warmup(res, lambda: state["model"]), fresh=fresh)
         model, optimizer, loader, progress = state["model"], state["optimizer"], state["dataloader"], state["progress"]
         if restored is None and res.base_model is not None:
             res.base_model.load_into(model)  # a fresh start from model.from_hf: this rank's shards only
-        startup.CLOCK.mark("restore")
+        phases.CLOCK.mark("restore")
         if res.warmup is not None:  # FT: what it has not finished, the start waits for (phase warm), not step 1
             log.info("start warm-up: %s", res.warmup.wait())
             res.warmup = None
-            startup.CLOCK.mark("warm")
+            phases.CLOCK.mark("warm")
         summary = _loop(res, model, optimizer, loader, progress, checkpointer, state, ft)
     except BaseException as exc:
-        startup.CLOCK.note("left_train")  # FT: the in-process restart's phases (startup.py)
+        phases.CLOCK.note("left_train")  # FT: the in-process restart's phases (startup/phases.py)
         if cfg.resiliency.inprocess and isinstance(exc, Exception) and not isinstance(exc, TrainerExit):
             checkpointer.snapshot_at_fault(state)  # FT: the last whole step, for the in-process restart (atfault.py)
         # FT: on gloo (CPU) the rank that leaves closes its sockets first, so a peer blocked in a gloo collective
@@ -253,7 +254,7 @@ def _warmup(res: Resources, model: Callable[[], nn.Module]) -> Any:
         if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
             return
         # FT: a standby's worker whose slots the standby page-locked ahead: the copy is short, the kernels loaded
-        if startup.PREWARMED and sum(premap.TAKEN):
+        if warmup.STANDBY_WARMED and sum(premap.TAKEN):
             log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot")
             return
         started = time.perf_counter()

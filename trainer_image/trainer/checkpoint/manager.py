@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer import forkserver
+from trainer.startup import forkserver
 from trainer.checkpoint import hostmem, reaper, reshard, storage
 from trainer.checkpoint.atfault import Whole, WholeStep
 from trainer.checkpoint.coordination import Coordination

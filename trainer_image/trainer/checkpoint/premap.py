@@ -1,5 +1,5 @@
 """A rank's node-local snapshot slots mapped and page-locked ahead of an in-job restart, by the warm standby that
-will become the restarted worker (``trainer/standby.py``, knob ``resiliency.standby_premap``).
+will become the restarted worker (``trainer/startup/standby.py``, knob ``resiliency.standby_premap``).
 
 A respawned worker restores from the slots its dead predecessor left in ``/dev/shm``. Copying 18 GB of a fresh
 mapping to the GPU is bounded by page-locking it (``cudaHostRegister`` faults in and pins every page: ~1.4 s for

@@ -28,7 +28,7 @@ import torch
 
 from trainer.checkpoint.chunked import SNAPSHOT_COPY_BYTES, device_checksum, pieces_of, split_copy
 from trainer.checkpoint.slots import Layout, Slot, map_views
-from trainer.startup import STANDBY_DIR_ENV
+from trainer.startup.phases import STANDBY_DIR_ENV
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core as nvrx_async
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest, PersistentAsyncCaller
 
-from trainer import forkserver
+from trainer.startup import forkserver
 
 from trainer.checkpoint.layout import CHUNK_BYTES, PARTIAL_SUFFIX
 from trainer.checkpoint.slots import Layout, map_file, map_views
@@ -333,7 +333,7 @@ class Writer:
 
     @staticmethod
     def _new_queue() -> AsyncCallsQueue:
-        """NVRx's persistent queue; its process forked by the node's fork server (``trainer/forkserver.py``:
+        """NVRx's persistent queue; its process forked by the node's fork server (``trainer/startup/forkserver.py``:
         torch, NVRx and this module already imported, so it is ready in a fraction of a spawn's time), else, without
         one, spawned by NVRx (which imports them)."""
         queue = AsyncCallsQueue(persistent=True)

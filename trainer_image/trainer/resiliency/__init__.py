@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from trainer import startup
+from trainer.startup import phases
 from trainer.config import ConfigError, JobConfig
 from trainer.exitcodes import ExitCode, TrainerExit, classify, is_retryable
 from trainer.faults import FaultInjector, parse_faults
@@ -222,19 +222,19 @@ class Layers:
     def _first_step_done(self, checkpointer: Any) -> dict[str, Any] | None:
         """The first step of this (re)start ended: log its phases; returned for the ledger's ``recovered``."""
         self.starting = False
-        clock = startup.CLOCK
+        clock = phases.CLOCK
         clock.mark("first_step")
-        phases = clock.take()
-        if phases is None:  # nothing marked since the last report
+        measured = clock.take()
+        if measured is None:  # nothing marked since the last report
             return None
         marks = clock.take_marks()
         if not clock.reentry:  # a new process: nothing of an in-process restart came before this start
             marks = {}
-        startup.report(log, phases, clock.reentry, marks)
-        startup.first_step_done(checkpointer.snapshot_files())  # FT: the standby server may now warm a replacement
+        phases.report(log, measured, clock.reentry, marks)
+        phases.first_step_done(checkpointer.snapshot_files())  # FT: the standby server may now warm a replacement
         if self.call_wrapper is not None:  # what the Wrapper's full collections will scan at the next restart
-            log.info("garbage collector: %s", startup.unfrozen_summary())
-        return {"origin": clock.origin, "end": clock.last_mark, "phases": phases, "marks": marks}
+            log.info("garbage collector: %s", phases.unfrozen_summary())
+        return {"origin": clock.origin, "end": clock.last_mark, "phases": measured, "marks": marks}
 
     def on_train_end(self, steps: int) -> None:
         self.preemption.drain()
@@ -277,8 +277,8 @@ def run(res: Any, train_fn: TrainFn, ledger: Ledger | None = None) -> dict[str, 
     layers.preemption.install()
     # FT: NVRx collects garbage in full before every in-process restart (``while gc.collect()``): the ~260k objects of
     # the imported modules and of this process's resources, frozen here, are not scanned again (0.15 s a pass on CPU)
-    startup.freeze_collector()
-    startup.CLOCK.mark("layers")
+    phases.freeze_collector()
+    phases.CLOCK.mark("layers")
     try:
         if res.cfg.resiliency.inprocess:
             return _run_inprocess(res, train_fn, layers)
@@ -389,10 +389,10 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
                          terminate=nested.NestedRestarterAborted())
 
     class TimedAbort(inprocess.abort.Abort):
-        """The abort, timed for the restart's phases (``startup``), each part's seconds logged."""
+        """The abort, timed for the restart's phases (``trainer.startup.phases``), each part's seconds logged."""
 
         def __call__(self, state: Any) -> Any:
-            startup.CLOCK.note("abort_began")
+            phases.CLOCK.note("abort_began")
             took = []
             try:
                 for name, part in aborts:
@@ -401,7 +401,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
                     took.append(f"{name} {time.perf_counter() - began:.3f} s{getattr(part, 'detail', '')}")
                 return state
             finally:
-                startup.CLOCK.note("abort_ended")
+                phases.CLOCK.note("abort_ended")
                 log.info("in-process abort: %s", ", ".join(took) or "did not finish")
                 clock.start()
 
@@ -420,9 +420,9 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
                 clock.health_s += time.perf_counter() - began
 
     def restartable(call_wrapper: inprocess.CallWrapper = None) -> dict[str, Any]:
-        startup.CLOCK.note("called_again")
+        phases.CLOCK.note("called_again")
         if call_wrapper.iteration:
-            log.info("in-process restart, from the abort's end to this call: %s", clock.stop(startup.CLOCK.marks))
+            log.info("in-process restart, from the abort's end to this call: %s", clock.stop(phases.CLOCK.marks))
         if layers.preemption.committed:  # interrupted after the final checkpoint (a peer already left): done
             raise TrainerExit(ExitCode.PREEMPTED, "preempted: the final checkpoint was committed before this restart")
         if call_wrapper.iteration > r.inprocess_max_restarts:
@@ -462,7 +462,7 @@ def _run_inprocess(res: Any, train_fn: TrainFn, layers: Layers) -> dict[str, Any
 
 class _WrapperClock:
     """What of an in-process restart's ``wrapper`` phase (from the abort's end to the function's next call:
-    ``startup.CLOCK``'s marks) went to the Wrapper's health checks (after the fault, and again on entering the next
+    ``phases.CLOCK``'s marks) went to the Wrapper's health checks (after the fault, and again on entering the next
     iteration) and to its garbage collection (``while gc.collect()`` on every restart); the rest is its store
     barriers, the monitor thread's shutdown and the nested restarter's callbacks."""
 

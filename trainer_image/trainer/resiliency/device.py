@@ -4,7 +4,7 @@ predecessor still holds. That is this module's one concern.
 A worker killed with a large allocation frees its device memory seconds after it dies: the kernel first unmaps its
 page-locked host memory (the snapshot slots, tens of GB), and the device memory goes only when the last file
 descriptor of ``/dev/nvidia*`` that the process opened is closed, by it or by any child that inherited it. A warm
-standby (``trainer/standby.py``) takes over within milliseconds; its first allocation then meets a full device
+standby (``trainer/startup/standby.py``) takes over within milliseconds; its first allocation then meets a full device
 (an ``OutOfMemoryError`` with the dead worker's tens of GiB still listed), and so may a fresh worker on a fast start.
 
 - **What the job needs** (``NeedRecord``): a worker notes its device's peak reserved memory (the caching allocator's,

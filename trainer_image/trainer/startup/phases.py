@@ -5,9 +5,9 @@ rank (``start phases (s): ...``) and, on rank 0 after a fault, in the ledger's `
 Phases of a new process, in order (each ends where the next begins):
 
 - ``import``: interpreter start, argument parsing and module imports (from the process's creation, read from
-  ``/proc``); when a warm standby (``trainer/standby.py``) or a child of the node's fork server
-  (``trainer/forkserver.py``) took over, the launched process's start and the handoff (the clock's origin is still
-  the launched process's creation);
+  ``/proc``); when a warm standby (``trainer/startup/standby.py``) or a child of the node's fork server
+  (``trainer/startup/forkserver.py``) took over, the launched process's start and the handoff (the clock's origin
+  is still the launched process's creation);
 - ``resources``: device and CUDA context, dataset, metrics and checkpoint manager (``Resources.create``);
 - ``layers``: recovery ledger, node health checks, heartbeat client (``resiliency.Layers``);
 - ``wrapper``: the in-process Wrapper's stores and monitor process, and the heartbeat connection, until
@@ -16,7 +16,7 @@ Phases of a new process, in order (each ends where the next begins):
 - ``model``: model build and sharding, optimizer, data loader;
 - ``restore``: ``load_latest`` (whichever tier it reads);
 - ``warm`` (a new GPU worker with ``resiliency.start_warmup``): waiting for its warm-up thread to finish
-  (``trainer/warmstart.py``), where it did not finish beside the phases before;
+  (``trainer/startup/warmup.py``), where it did not finish beside the phases before;
 - ``first_step``: to the end of the first training step after it (the ledger's "first productive step").
 
 An in-process restart begins again at ``train()``'s entry (``process_group`` ... ``first_step``). The ledger adds
@@ -42,18 +42,17 @@ import time
 from typing import Any
 
 STANDBY_DIR_ENV = "TRAINER_STANDBY_DIR"
-"""Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen (``trainer/standby.py``)."""
+"""Exported by ``entrypoint.sh`` when ``TRAINER_STANDBY`` is on: where the standbys listen
+(``trainer/startup/standby.py``)."""
 FORKSERVER_DIR_ENV = "TRAINER_FORKSERVER_DIR"
 """Exported by ``entrypoint.sh`` when ``TRAINER_FORKSERVER`` is on: where the node's fork server listens
-(``trainer/forkserver.py``), one per node (under the node's own job directory)."""
+(``trainer/startup/forkserver.py``), one per node (under the node's own job directory)."""
 FORKSERVER_SOCKET = "forkserver.sock"
 FORKSERVER_PID_ENV = "TRAINER_FORKSERVER_PID"
 """The fork server's pid (``entrypoint.sh``): a worker launched while it imports waits for it while it lives."""
 FIRST_STEP_MARKER = "first-step-{rank}"
 """Written by a worker at the end of its first step (its command line and working directory, as JSON): the standby
-server may now warm a replacement for it, configured from that record (``trainer/prewarm.py``)."""
-PREWARMED = False
-"""This process ran ``trainer.prewarm.prewarm`` (a standby that became a worker: ``trainer/standby.py``)."""
+server may now warm a replacement for it, configured from that record (``trainer/startup/warmup.py``)."""
 
 PHASES = ("import", "resources", "layers", "wrapper", "process_group", "model", "restore", "warm", "first_step")
 
@@ -192,15 +191,16 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, marks: di
 
 
 def first_step_done(snapshot_files: list[str] | tuple[str, ...] = ()) -> None:
-    """This worker finished its first step: the standby server (``trainer/standby.py``) may now warm a replacement
-    for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``, holding this worker's command line, working
-    directory and node-local snapshot slot files as JSON); nothing without that directory."""
+    """This worker finished its first step: the standby server (``trainer/startup/standby.py``) may now warm a
+    replacement for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``, holding this worker's command
+    line, working directory, world size and node-local snapshot slot files as JSON); nothing without that directory."""
     directory = os.environ.get(STANDBY_DIR_ENV)
     if not directory:
         return
     path = os.path.join(directory, FIRST_STEP_MARKER.format(rank=os.environ.get("LOCAL_RANK", "0")))
-    # what the standby warms for (prewarm.py) and the slots it page-locks ahead (checkpoint/premap.py)
-    record = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "snapshot_files": list(snapshot_files)})
+    # what the standby warms for (warmup.py) and the slots it page-locks ahead (checkpoint/premap.py)
+    record = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                         "snapshot_files": list(snapshot_files)})
     try:  # FT: a standby for the next in-job restart is warmed only now, after this start-up and restore
         with open(f"{path}.{os.getpid()}", "w") as f:
             f.write(record)

@@ -1,6 +1,6 @@
 """The hand-over of a launched worker to a process that has already imported torch, the trainer and NVRx: both
-sides. The taker is this rank's warm standby (``trainer/standby.py``, which has also made its CUDA context) or,
-without one, a child that the node's fork server (``trainer/forkserver.py``) forks for it.
+sides. The taker is this rank's warm standby (``trainer/startup/standby.py``, which has also made its CUDA context)
+or, without one, a child that the node's fork server (``trainer/startup/forkserver.py``) forks for it.
 
 ``python -m trainer`` calls ``hand_over()`` before anything imports torch. It asks, in order, a standby listening
 on ``standby-<LOCAL_RANK>.sock`` in ``$TRAINER_STANDBY_DIR``, then the fork server on ``forkserver.sock`` in
@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from trainer.startup import FORKSERVER_DIR_ENV, FORKSERVER_PID_ENV, FORKSERVER_SOCKET, STANDBY_DIR_ENV, \
+from trainer.startup.phases import FORKSERVER_DIR_ENV, FORKSERVER_PID_ENV, FORKSERVER_SOCKET, STANDBY_DIR_ENV, \
     process_start_time
 
 SOCKET_NAME = "standby-{rank}.sock"
@@ -59,7 +59,7 @@ HEADER = struct.Struct(">I")
 SERVER_START_WAIT_S = 300.0
 """How long a launched worker waits for the node's fork server to finish its imports (while its process lives)."""
 MAX_FDS = 16
-"""File descriptors a request may carry (stdio, and a forked process's pipes: ``trainer/forkserver.py``)."""
+"""File descriptors a request may carry (stdio, and a forked process's pipes: ``trainer/startup/forkserver.py``)."""
 IMPORT_TIME_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "NVIDIA_TF32_OVERRIDE")
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "CUBLAS", "PYTHON")
 """Variables read when the interpreter starts, torch is imported, or the CUDA context / cuBLAS handle is made
@@ -403,9 +403,9 @@ def take(conn: socket.socket, fds: list[int], request: dict) -> Lifeline:
     threads = request["env"].get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    startup = sys.modules.get("trainer.startup")
-    if startup is not None:  # the start clock's origin is the launched process's creation
-        startup.CLOCK = startup.StartClock(origin=float(request["start_time"]))
+    phases = sys.modules.get("trainer.startup.phases")
+    if phases is not None:  # the start clock's origin is the launched process's creation
+        phases.CLOCK = phases.StartClock(origin=float(request["start_time"]))
     return lifeline
 
 

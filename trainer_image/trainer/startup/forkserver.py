@@ -1,15 +1,16 @@
 """The node's fork server: torch, NVRx and the trainer imported once per node; every worker, warm standby and
 checkpoint writer of the node is a fork of it.
 
-How a process of a node comes to life. ``entrypoint.sh`` (knob ``TRAINER_FORKSERVER``, on by default) starts
-``python -m trainer.forkserver serve --dir $TRAINER_FORKSERVER_DIR`` before ft_launcher, one per node (the
-directory is under the node's own job directory: never shared by two nodes). It imports ``PRELOAD`` and then
+The first of a node's processes to come to life (the package's docstring tells the rest). ``entrypoint.sh`` (knob
+``TRAINER_FORKSERVER``, on by default) starts ``python -m trainer.startup.forkserver serve --dir
+$TRAINER_FORKSERVER_DIR`` before ft_launcher, one per node (the directory is under the node's own job directory:
+never shared by two nodes). It imports ``PRELOAD`` and then
 checks that it may fork (``unfit``): one thread, no CUDA initialised, no ``/dev/nvidia*`` file open; so nothing
 of a device, a lock held by another thread, or an OpenMP/MKL pool (made at the first parallel operation, which
 the server never runs) is copied into a child. It listens on ``forkserver.sock`` and forks, on request:
 
 - a **worker**: ft_launcher starts ``python -m trainer`` as ever; before importing torch it hands itself over
-  (``trainer/handoff.py``, the same path as a warm standby's, ``trainer/standby.py``, which is asked first). The
+  (``handoff.py``, the same path as a warm standby's, ``standby.py``, which is asked first). The
   server checks the import-time environment (``handoff.import_time_mismatch``: a worker whose differs runs
   itself, one line says why) and forks; the child makes its own session, answers with its pid, takes the
   launched process's environment, working directory, stdio, command line and start clock (``handoff.take``) and
@@ -18,7 +19,7 @@ the server never runs) is copied into a child. It listens on ``forkserver.sock``
   reaper's ``owner-<pid>`` records and the exit-code files see it. Its CUDA context, process groups and threads
   are its own, made after the fork;
 - a **process** (``Process``: a checkpoint writer, ``trainer/checkpoint/writer.py``, or a warm standby,
-  ``trainer/standby.py``'s ``forked_warm``): a ``multiprocessing`` process whose preparation data and pickled
+  ``standby.py``'s ``forked_warm``): a ``multiprocessing`` process whose preparation data and pickled
   object come through a pipe, as ``multiprocessing``'s own fork server sends them; the server writes the child's
   pid, and later its exit code, to the requester's sentinel pipe, which ``multiprocessing.popen_forkserver.Popen``
   reads. The child takes the requester's stdio, environment and working directory; its parent is the server, and
@@ -56,9 +57,9 @@ import time
 from multiprocessing import context, forkserver, popen_forkserver, process, reduction, spawn, util
 from pathlib import Path
 
-from trainer.handoff import PR_SET_PDEATHSIG, answer, forkserver_path, import_time_mismatch, receive, run_target, \
-    send_request, take
-from trainer.startup import FORKSERVER_DIR_ENV, FORKSERVER_SOCKET
+from trainer.startup.handoff import PR_SET_PDEATHSIG, adopt, answer, forkserver_path, import_time_mismatch, \
+    receive, run_target, send_request, take
+from trainer.startup.phases import FORKSERVER_DIR_ENV, FORKSERVER_SOCKET
 
 PRELOAD = ("torch", "trainer.cli", "trainer.resiliency", "trainer.ledger", "trainer.train",
            "trainer.checkpoint.writer")
@@ -93,7 +94,7 @@ def unfit() -> str | None:
 
 
 class Server:
-    """One per node (``python -m trainer.forkserver serve``)."""
+    """One per node (``python -m trainer.startup.forkserver serve``)."""
 
     def __init__(self, directory: str, target: str) -> None:
         self.path = os.path.join(directory, FORKSERVER_SOCKET)
@@ -239,8 +240,6 @@ def _refuse(conn: socket.socket, fds: list[int], reason: str) -> None:
 def _become_process(fds: list[int], request: dict) -> int:
     """A ``multiprocessing`` child, as ``multiprocessing.forkserver``'s are (``spawn._main``), with the requester's
     stdio, environment and working directory; the descriptors it pickled are found by index as there."""
-    from trainer.handoff import adopt
-
     adopt(fds, request)
     child_r, child_w, inherited = fds[3], fds[4], fds[5:]
     os.close(child_w)  # the server's end: the requester's sentinel
@@ -301,7 +300,8 @@ class Process(process.BaseProcess):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.forkserver", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.startup.forkserver",
+                                     description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="import once, then fork this node's workers and checkpoint writers")
     serve.add_argument("--dir", default=os.environ.get(FORKSERVER_DIR_ENV), help="where the server listens")

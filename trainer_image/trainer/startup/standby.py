@@ -1,21 +1,21 @@
 """Warm standby workers for the in-job restart: a restarted worker skips the imports and the CUDA context.
 
 A restarted worker spends most of its start importing torch, the trainer and NVRx, and making its CUDA context
-(``startup``'s ``import`` and ``model`` phases). ``entrypoint.sh`` (knob ``TRAINER_STANDBY``) runs one server per
-node, ``python -m trainer.standby serve``, which keeps at most one warm standby process per local rank in
+(``phases``' ``import`` and ``model`` phases). ``entrypoint.sh`` (knob ``TRAINER_STANDBY``) runs one server per
+node, ``python -m trainer.startup.standby serve``, which keeps at most one warm standby process per local rank in
 ``$TRAINER_STANDBY_DIR``:
 
-- a standby (``python -m trainer.standby warm``; with the node's fork server, ``trainer/forkserver.py``, a child of
-  that server instead, whose imports it shares, ``forked_warm``) is spawned for local rank R once R's current worker
-  finished its first step (it touches ``first-step-R``: ``startup.report``), so it never competes with a start-up or
-  a restore; it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on Linux: the worker it becomes
-  runs at the normal one). It imports what the trainer imports, sets its device and makes its CUDA context and a
-  cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker holds the GPU, it stays
-  warm without them and says so once). With a context, it then loads the kernels the worker's first steps would
-  load: a small copy of the job's model, configured by the command line in the marker, trained two steps and freed
-  (``trainer/prewarm.py``, knob ``resiliency.standby_prewarm``). Then it listens on ``standby-R.sock``. It dies
-  with the server (``PR_SET_PDEATHSIG``);
-- a launched worker (``python -m trainer``) hands itself over to it (``trainer/handoff.py``), and becomes its proxy;
+- a standby (``python -m trainer.startup.standby warm``; with the node's fork server, ``forkserver.py``, a child
+  of that server instead, whose imports it shares, ``forked_warm``) is spawned for local rank R once R's current
+  worker finished its first step (it touches ``first-step-R``: ``phases.first_step_done``), so it never competes
+  with a start-up or a restore; it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on
+  Linux: the worker it becomes runs at the normal one). It imports what the trainer imports, sets its device and
+  makes its CUDA context and a cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker
+  holds the GPU, it stays warm without them and says so once). With a context, it then loads the kernels the
+  worker's first steps would load, for the job's configuration (the command line and world size in the marker), at
+  small shapes (``warmup.for_standby``, knob ``resiliency.standby_prewarm``). Then it listens on
+  ``standby-R.sock``. It dies with the server (``PR_SET_PDEATHSIG``);
+- a launched worker (``python -m trainer``) hands itself over to it (``handoff.py``), and becomes its proxy;
   the standby checks that the environment read at import or CUDA-init time is the same as its own
   (``import_time_mismatch``), then takes the worker's environment, working directory, stdio, command line and start
   time, and runs the trainer's ``main``. Its pid is the worker's pid: NVRx's rank monitor, the in-process Wrapper's
@@ -45,9 +45,10 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from trainer import forkserver
-from trainer.handoff import PR_SET_PDEATHSIG, answer, import_time_mismatch, receive, run_target, socket_path, take
-from trainer.startup import FIRST_STEP_MARKER, STANDBY_DIR_ENV
+from trainer.startup import forkserver
+from trainer.startup.handoff import PR_SET_PDEATHSIG, answer, import_time_mismatch, receive, run_target, \
+    socket_path, take
+from trainer.startup.phases import FIRST_STEP_MARKER, STANDBY_DIR_ENV
 
 DEFAULT_TARGET = "trainer.cli:main"
 WARM_IMPORTS = {DEFAULT_TARGET: ("torch", "trainer.resiliency", "trainer.ledger", "trainer.train")}
@@ -65,7 +66,7 @@ def _say(line: str) -> None:
 # --- the standby process --------------------------------------------------------------------------------------
 
 class Standby:
-    """One warm standby of one local rank (``python -m trainer.standby warm``)."""
+    """One warm standby of one local rank (``python -m trainer.startup.standby warm``)."""
 
     def __init__(self, local_rank: int, directory: str, target: str, status_fd: int | None) -> None:
         self.local_rank = local_rank
@@ -125,26 +126,27 @@ class Standby:
             return f"; no CUDA context ({type(exc).__name__}: {line}): the worker it becomes makes one"
 
     def _prewarm(self) -> str:
-        """The job's model, small, trained two steps and freed (``trainer/prewarm.py``, knob
-        ``resiliency.standby_prewarm``), configured by the command line that the worker it replaces wrote into its
-        first-step marker (``startup.first_step_done``)."""
+        """The warm-up of the job's kernels at small shapes (``warmup.for_standby``, knob
+        ``resiliency.standby_prewarm``), configured by the command line and world size that the worker it replaces
+        wrote into its first-step marker (``phases.first_step_done``)."""
         marker = os.path.join(self.directory, FIRST_STEP_MARKER.format(rank=self.local_rank))
         try:
             record = json.loads(Path(marker).read_text())
             argv, cwd = [str(a) for a in record["argv"]], str(record["cwd"])
+            world_size = int(record.get("world_size", 1))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return f"; no prewarm (the first-step marker holds no command line: {type(exc).__name__})"
         environment = dict(os.environ)  # the handoff compares it with the worker's (import_time_mismatch)
         try:
             from trainer.config import parse_args
-            from trainer.prewarm import prewarm
+            from trainer.startup.warmup import for_standby
 
             os.chdir(cwd)  # a relative --config or data path, as the worker saw it (the handoff sets it again)
             _, cfg = parse_args(argv)
             self.job_cfg, self.snapshot_files = cfg, [str(p) for p in record.get("snapshot_files", [])]
             if not cfg.resiliency.standby_prewarm:
                 return "; no prewarm (resiliency.standby_prewarm=false)"
-            return f"; prewarm {prewarm(cfg, self.device)}"
+            return f"; prewarm {for_standby(cfg, self.device, world_size)}"
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a standby without it is still warm
             line = " ".join(str(exc).split())[:200]
             return f"; no prewarm ({type(exc).__name__}: {line})"
@@ -296,7 +298,7 @@ def forked_warm(local_rank: int, directory: str, target: str, status: Connection
 
 
 class _Forked:
-    """A forked standby (``trainer.forkserver.Process``) as the server keeps a spawned one (``subprocess.Popen``)."""
+    """A forked standby (``forkserver.Process``) as the server keeps a spawned one (``subprocess.Popen``)."""
 
     def __init__(self, process: forkserver.Process) -> None:
         self.process, self.pid = process, process.pid
@@ -333,7 +335,7 @@ class _Rank:
 
 
 class Server:
-    """Keeps at most one standby per local rank (``python -m trainer.standby serve``)."""
+    """Keeps at most one standby per local rank (``python -m trainer.startup.standby serve``)."""
 
     def __init__(self, nproc: int, directory: str, target: str) -> None:
         self.directory = directory
@@ -361,9 +363,9 @@ class Server:
         os.set_blocking(read_end, False)
         rank.proc = self._fork(rank, write_end)
         if rank.proc is None:
-            command = [sys.executable, "-m", "trainer.standby", "warm", "--local-rank", str(rank.rank), "--dir",
-                       self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end), "--target",
-                       self.target]
+            command = [sys.executable, "-m", "trainer.startup.standby", "warm", "--local-rank", str(rank.rank),
+                       "--dir", self.directory, "--parent", str(os.getpid()), "--status-fd", str(write_end),
+                       "--target", self.target]
             rank.proc = subprocess.Popen(command, pass_fds=(write_end,), stdin=subprocess.DEVNULL,
                                          start_new_session=True)  # like ft_launcher's workers: no terminal signals
         os.close(write_end)
@@ -451,7 +453,7 @@ class Server:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.standby", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.startup.standby", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="keep one warm standby per local rank")
     serve.add_argument("--nproc", type=int, required=True, help="local ranks (workers on this node)")
