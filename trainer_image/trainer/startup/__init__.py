@@ -20,6 +20,6 @@
 Where the time of a start goes, phase by phase, and the names the processes of a start share through the
 environment (where the standbys and the fork server listen, the first-step marker): ``phases.py``.
 
-This package's ``__init__`` imports nothing, and ``handoff`` and ``phases`` import the standard library only: a
-launched worker imports them before torch.
+This package's ``__init__`` imports nothing, ``phases`` only the standard library and ``handoff`` only that and
+``phases``: a launched worker imports them before torch. ``warmup`` imports torch in the functions that use it.
 """
