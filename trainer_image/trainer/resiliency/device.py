@@ -16,7 +16,7 @@ standby (``trainer/startup/standby.py``) takes over within milliseconds; its fir
   in-process restart too. A new worker waits in two stages: for ``CONTEXT_ROOM`` before it makes its CUDA context,
   and for the whole need before its model is built. Its start until the model (recovery layers, in-process Wrapper,
   process group) then runs while the kernel still releases the dead worker's memory, which its proxy reported as
-  the exit began (``trainer/handoff.py``). One line says how long it waited and why; past
+  the exit began (``trainer/startup/handoff.py``). One line says how long it waited and why; past
   ``resiliency.device_wait_s`` it gives up with one line and exits ``UNHEALTHY_NODE``: something other than the
   job holds the device, and a new pod is what helps.
 - **Children let go** (``release_inherited_device_files``): a child forked from a worker (NVRx's in-process monitor

@@ -326,18 +326,12 @@ def warm(cfg: JobConfig, device: torch.device, world_size: int, small: bool = Fa
 
 def _wait_for_predecessor(need: int, device: torch.device) -> None:
     """Where this rank's previous worker recorded its memory (it died, and the kernel may still be releasing what it
-    held: ``trainer/resiliency/device.py``), wait up to ``PREDECESSOR_WAIT_S`` for ``need`` bytes free; the start's
+    held), wait up to ``PREDECESSOR_WAIT_S`` for ``need`` bytes of it (``trainer/resiliency/device.py``); the start's
     own wait for the whole need comes before the model's build, beside this."""
-    import torch
-
     from trainer.resiliency import device as device_handover
 
-    record = device_handover.NeedRecord.from_environ(device.index or 0)
-    if record is None or record.read() <= 0:
-        return
     with contextlib.suppress(device_handover.DeviceHeld):
-        device_handover.wait_for_memory(need, lambda: int(torch.cuda.mem_get_info(device)[0]),
-                                        bound_s=PREDECESSOR_WAIT_S, label=str(device), why="the start's warm-up")
+        device_handover.wait_for_predecessor(device.index or 0, PREDECESSOR_WAIT_S, "the start's warm-up", at_most=need)
 
 
 def _model_pass(one: JobConfig, device: torch.device) -> frozenset[str]:
