@@ -392,7 +392,7 @@ def test_a_snapshot_whose_slot_is_still_being_reserved_is_deferred_not_waited_fo
     failsafe.start()
     state = make_state()
     mgr = manager(tmp_path, interval=2, persist_every=0)
-    mgr.snapshots.defer_unready = True  # as on CUDA (page-locking); on CPU a save waits for its slot's reservation
+    mgr.reservation.defer_unready = True  # as on CUDA (page-locking); on CPU a save waits for its slot's reservation
     assert mgr.load_latest(state) is None  # asks for the slots' reservation from the end of the first step
     try:
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
@@ -401,7 +401,7 @@ def test_a_snapshot_whose_slot_is_still_being_reserved_is_deferred_not_waited_fo
                 assert not mgr.save(step, state)  # 1: not due; 2: due, deferred; 3: owed, still deferred
             assert mgr.latest_in_memory() is None and not gate.is_set()
             gate.set()
-            mgr.snapshots._prepared.join()
+            mgr.reservation.join()
             train_step(state, 4)
             assert mgr.save(4, state) and mgr.latest_in_memory().step == 4  # the owed snapshot, at once
             train_step(state, 5)
@@ -424,7 +424,7 @@ def test_a_final_save_waits_for_its_slot_instead_of_deferring(tmp_path, pg, monk
     monkeypatch.setattr(Slot, "reserve", lambda self, *a, **kw: gate.wait() and real_reserve(self, *a, **kw))
     state = make_state()
     mgr = manager(tmp_path, interval=100, persist_every=1)
-    mgr.snapshots.defer_unready = True
+    mgr.reservation.defer_unready = True
     assert mgr.load_latest(state) is None
     try:
         train_step(state, 1)

@@ -245,10 +245,10 @@ def test_slots_are_reserved_in_the_background_after_the_first_step_before_the_fi
     try:
         with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
             mgr.load_latest(state)
-            assert mgr.snapshots._prepared is None and all(slot.buffer is None for slot in mgr.snapshots.slots)
+            assert not mgr.reservation.threads and all(slot.buffer is None for slot in mgr.snapshots.slots)
             train_step(state, 1)
             assert not mgr.save(1, state)  # not due: it only starts the reservation
-            mgr.snapshots._prepared.join()
+            mgr.reservation.join()
         assert "not prepared" not in caplog.text
         assert all(slot.buffer is not None and slot.ready.is_set() for slot in mgr.snapshots.slots)
         sizes = [slot.buffer.numel() for slot in mgr.snapshots.slots]

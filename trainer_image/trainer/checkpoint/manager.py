@@ -38,6 +38,7 @@ from trainer.checkpoint.peerauth import PeerAuth, load_secret
 from trainer.checkpoint.persistent import PersistentTier
 from trainer.checkpoint.policy import IntervalPolicy, PersistPolicy, interval_mtbf
 from trainer.checkpoint.replicas import Replicator
+from trainer.checkpoint.reservation import Reservation
 from trainer.checkpoint.restore import restore_newest
 from trainer.checkpoint.slots import SnapshotStore, Slot, job_key, plan_layout, snapshot_dir
 from trainer.checkpoint.staging import DeviceStagedCopy, Drain, choose_copier
@@ -75,6 +76,7 @@ class CheckpointManager:
         self.snapshots = SnapshotStore(snapshot_dir(cfg.node_local_dir, self.dir), env.rank, slots,
                                        job_key(self.dir), config_json, cfg.node_local)
         self.snapshots.pin_in_pieces(cfg.pin_chunk_mib << 20)
+        self.reservation = Reservation(self.snapshots)  # FT: the slots populated and page-locked ahead of snapshots
         # FT: a worker restarted in place removes what dead processes of the job left in node memory, and records
         # what it creates there itself (reaper)
         reaper.reap(self.snapshots.dir, files=False)
@@ -200,6 +202,7 @@ class CheckpointManager:
             reaper.reap(self.snapshots.dir, files=True)
         if self.replicas is not None:  # its files first: the directory is removed once empty
             self.replicas.close(remove=job_over)
+        self.reservation.join()
         self.snapshots.close(remove=job_over)
 
     # ---- the loop's interface -----------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ class CheckpointManager:
         """What the first step after a (re)start must not wait for starts at its end (the first ``save`` call): the
         snapshot slots' reservation and, for background writes, the writer process."""
         # FT: page-locking the slots holds the CUDA driver for seconds: not during the restore and the first step
-        self.snapshots.start_prepare()
+        self.reservation.start_prepare()
         if self.cfg.async_save and self.cfg.persist_every > 0:
             self.writer.start()  # spawned (no fork server), it imports torch: not during the restore and first step
 
@@ -406,7 +409,7 @@ class CheckpointManager:
         call), so the first memory checkpoint is cheap and the restore and the first step run alone."""
         model = [local_piece(v) for v in flatten(state, model_only=True)[0].values()]
         device = next((t.device for t, _ in model if t.is_cuda), torch.device("cpu"))
-        self.snapshots.prepare(predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
+        self.reservation.prepare(predicted_bytes([p for _, p in model], _SLOT_ALIGN), device)
 
     # ---- memory checkpoints ----------------------------------------------------------------------------------
     def _agree(self, step: int) -> tuple[bool, bool, bool, float, float, bool]:
@@ -417,7 +420,7 @@ class CheckpointManager:
         free = self.snapshots.choose() is not None
         idle = self.persistent.inflight is None  # an abandoned write is cleared by save()'s poll once it finished
         want = self.persist_policy.wants()
-        preparing = self.snapshots.preparing()
+        preparing = self.reservation.deferring(self.snapshots.choose())
         values = self.coord.all_reduce([float(-free), float(-idle), float(want), step_s, cost_s, float(preparing)],
                                        dist.ReduceOp.MAX)
         return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4], values[5] > 0
@@ -454,6 +457,8 @@ class CheckpointManager:
             "rank_state": rank_state(state) if whole is None else whole.rank_state, **optim_extra,
             "config_json": self.config_json,
         }
+        if not slot.ready.is_set():
+            self.reservation.urgent()  # page-locking in pieces stops pausing: this snapshot waits for its slot
         self.snapshots.stage(slot, step, locals_, pieces, payload, self._copier, None if whole is None else whole.updated)
 
     def restore_on_device(self, slot: Slot, step: int, targets: dict[str, torch.Tensor]) -> bool:

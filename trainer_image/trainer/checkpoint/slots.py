@@ -169,7 +169,7 @@ class Slot:
     pin_refused: bool = False
     """The driver refused to page-lock this slot's mapping (a file on a disk, not a tmpfs): it is used pageable."""
     ready: threading.Event = field(default_factory=threading.Event)
-    """Cleared while ``SnapshotStore.prepare`` reserves this slot in the background."""
+    """Cleared while this slot is reserved in the background (``reservation.py``)."""
 
     def ensure(self, layout: Layout, nbytes: int, pin: bool) -> None:
         """Map (and pin on CUDA) the slot for this layout; a large enough mapping is kept, its views rebuilt."""
@@ -183,7 +183,7 @@ class Slot:
 
     def reserve(self, nbytes: int, pin: bool, keep_content: bool = False, pause: Any = None) -> None:
         """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
-        done ahead of it by ``SnapshotStore.prepare``. A mapped slot (a discovered snapshot) is pinned in place."""
+        done ahead of it by ``reservation.Reservation``. A mapped slot (a discovered snapshot) is pinned in place."""
         if self.buffer is not None and self.buffer.numel() >= nbytes and (pin or not self.pinned):
             if pin and not self.pinned and not self.pin_refused:
                 self._pin(pause)
@@ -248,13 +248,6 @@ class SnapshotStore:
         self.restore_times: dict[str, float] = {}
         """The last ``restore``'s parts in seconds (logged with the restore): ``copy`` (page-locking included, in
         its thread), ``overlap`` (the caller's work meanwhile), ``check`` (the checksum on the device)."""
-        self._prepared: threading.Thread | None = None
-        self._urgent = threading.Event()
-        self._prepare_started = False
-        self._prepare_request: tuple[int, torch.device] | None = None
-        self.defer_unready: bool | None = None
-        """Whether a snapshot whose slot is still being reserved is deferred instead of waited for (``ready``); None:
-        when the reservation page-locks (CUDA), which takes seconds after a new process's first step."""
 
     def _slot(self, index: int) -> Slot:
         stem = f"rank-{self.rank:05d}.slot-{index}"
@@ -280,49 +273,6 @@ class SnapshotStore:
                 slot.pin_piece = nbytes
 
     # ---- saving ---------------------------------------------------------------------------------------------
-    def prepare(self, nbytes: int, device: torch.device) -> None:
-        """Ask for every slot to be reserved (at least ``nbytes``, pinned on CUDA) ahead of the first save; the work
-        starts at ``start_prepare``, after the first step: page-locking 18 GB holds the CUDA driver for seconds, and
-        during the restore and the first step it doubled a respawned worker's recovery (measured on H200)."""
-        if self._prepare_started:  # once per process: in-process restarts keep the slots
-            return
-        self._prepare_request = (nbytes, device)
-
-    def start_prepare(self) -> None:
-        """Reserve the slots asked for by ``prepare`` in a background thread (once per process; called after the
-        first step). The slot the next snapshot goes into is reserved first; a save waits only for its own slot."""
-        if self._prepare_request is None or self._prepare_started:
-            return
-        self._prepare_started = True
-        (nbytes, device), self._prepare_request = self._prepare_request, None
-        pin = device.type == "cuda"
-        self.defer_unready = pin if self.defer_unready is None else self.defer_unready
-        newest = self.newest()
-        order = sorted(self.slots, key=lambda slot: slot is newest)
-        for slot in order:
-            slot.ready.clear()
-
-        def run() -> None:
-            began = time.perf_counter()
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                if pin:
-                    torch.cuda.set_device(device)  # pinned for this rank's GPU context
-                for slot in order:
-                    # FT: paced while no save waits for a slot; a save that does ends the pauses (urgent)
-                    slot.reserve(nbytes, pin, keep_content=slot.step is not None, pause=self._urgent.wait)
-                    slot.ready.set()
-                    log.info("snapshot slot %d reserved%s %.2f s after the first step", slot.index,
-                             " and page-locked" if slot.pinned else "", time.perf_counter() - began)
-            except Exception as exc:  # the first save reserves (and reports) it again
-                log.warning("snapshot slots not prepared ahead of the first save: %s", exc)
-            finally:
-                for slot in order:
-                    slot.ready.set()
-
-        self._prepared = threading.Thread(target=run, name="snapshot-prepare", daemon=True)
-        self._prepared.start()
-
     def choose(self) -> Slot | None:
         """A slot to stage into: never one a persistent write reads (locked), the oldest of the others, and the
         newest complete snapshot only when every other slot is locked and one of them holds an older complete
@@ -339,19 +289,11 @@ class SnapshotStore:
         fallback = any(s.step is not None and s is not newest for s in self.slots)
         return newest if newest is not None and not newest.locked and fallback else None
 
-    def preparing(self) -> bool:
-        """The slot the next snapshot goes into is still being reserved in the background and snapshots wait for
-        none (``defer_unready``): the snapshot is deferred to the first step that finds it ready."""
-        slot = self.choose()
-        return bool(self.defer_unready) and slot is not None and not slot.ready.is_set()
-
     def stage(self, slot: Slot, step: int, locals_: dict[str, torch.Tensor], pieces: dict[str, Piece],
               payload: dict[str, Any], copier: Any, after: Any = None) -> None:
         """Copy this rank's tensors into ``slot`` with ``copier`` (``staging``: synchronously on CPU, on a side stream
         on CUDA after the training stream's work or the event ``after``; the slot is a snapshot at ``complete``)."""
-        if not slot.ready.is_set():
-            self._urgent.set()  # page-locking in pieces stops pausing: this save waits for it
-        slot.ready.wait()  # reserved in the background (start_prepare)
+        slot.ready.wait()  # reserved in the background (reservation.py)
         slot.invalidate()
         # FT: from now on the slot holds this process's own copy: a checksum discovered for its previous content (a
         # snapshot of the process before, never restored) would fail the next in-process restore of this one
@@ -584,8 +526,6 @@ class SnapshotStore:
     # ---- end --------------------------------------------------------------------------------------------------
     def close(self, remove: bool) -> None:
         """Unmap the slots; ``remove`` deletes this rank's files (the job is over) and the directory once empty."""
-        if self._prepared is not None:
-            self._prepared.join()
         for thread in self._threads:
             thread.join(timeout=30)
         for slot in self.slots:

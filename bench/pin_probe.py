@@ -1,0 +1,166 @@
+"""What a node-local snapshot slot costs the CUDA driver: populating, page-locking and the release after a SIGKILL.
+
+``python bench/pin_probe.py --dir /dev/shm/probe --gib 16 [--slots 3] [--device-gib 60]`` prints one JSON line per
+figure (the card's own numbers behind ``trainer/checkpoint/slots.py``'s reservation and ``resiliency/device.py``'s
+wait for a dead worker's memory):
+
+- ``populate_s``: fallocate and fault in a new slot file on the project's threads (``chunked.populate``);
+- ``register_s`` / ``unregister_s``: ``cudaHostRegister`` of the populated mapping, in one call and in
+  ``pin_chunk_mib`` pieces; ``register_fresh_s``: the same on a file whose pages are not yet faulted in;
+- ``release_s``: a child holding ``--device-gib`` on the device and (or not) ``--slots`` page-locked slots is
+  SIGKILLed; the seconds until NVML shows its device memory back, with and without the slots.
+Also the machine's transparent huge page settings for shared memory (``thp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
+
+
+def emit(figure: str, **fields: object) -> None:
+    print(json.dumps({"figure": figure, **fields}), flush=True)
+
+
+def thp() -> None:
+    fields = {}
+    for name in ("enabled", "shmem_enabled"):
+        try:
+            fields[name] = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
+        except OSError as exc:
+            fields[name] = f"unreadable: {exc}"
+    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if " /dev/shm " in line]
+    emit("thp", **fields, dev_shm=mounts[0] if mounts else None)
+
+
+def new_slot(path: Path, nbytes: int, populate: bool):  # -> torch.Tensor
+    from trainer.checkpoint import chunked
+    from trainer.checkpoint.slots import map_file
+
+    path.unlink(missing_ok=True)
+    if populate:
+        return map_file(path, nbytes, allocate=True)  # fallocate + chunked.populate on a memory file system
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, nbytes)
+    os.posix_fallocate(fd, 0, nbytes)
+    os.close(fd)
+    import torch
+
+    assert chunked  # the populating variant's module
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def pinning(directory: Path, gib: float, piece_mib: int) -> None:
+    import torch
+
+    from trainer.checkpoint import chunked
+
+    torch.zeros(1, device="cuda")
+    nbytes = int(gib * 2**30)
+    path = directory / "probe.data"
+    began = time.perf_counter()
+    buffer = new_slot(path, nbytes, populate=True)
+    emit("populate_s", value=round(time.perf_counter() - began, 3), gib=gib, threads=chunked.POPULATE_THREADS)
+    for label, piece in (("one call", 0), (f"{piece_mib} MiB pieces", piece_mib * 2**20)):
+        began = time.perf_counter()
+        addresses: list[int] = []
+        if piece:
+            assert chunked.register_in_pieces(buffer, piece, addresses)
+        else:
+            assert chunked.cuda_register(buffer.data_ptr(), nbytes)
+            addresses = [buffer.data_ptr()]
+        took = time.perf_counter() - began
+        began = time.perf_counter()
+        for address in addresses:
+            chunked.cuda_unregister(address)
+        emit("register_s", value=round(took, 3), unregister_s=round(time.perf_counter() - began, 3), gib=gib,
+             how=label, gb_per_s=round(nbytes / took / 1e9, 2))
+    del buffer
+    buffer = new_slot(path, nbytes, populate=False)
+    began = time.perf_counter()
+    assert chunked.cuda_register(buffer.data_ptr(), nbytes)
+    emit("register_fresh_s", value=round(time.perf_counter() - began, 3), gib=gib,
+         how="one call, pages not faulted in before")
+    chunked.cuda_unregister(buffer.data_ptr())
+    del buffer
+    path.unlink(missing_ok=True)
+
+
+def holder(directory: Path, gib: float, slots: int, device_gib: float) -> None:
+    """The child: device memory and page-locked slots held, then a line on stdout, then it waits to be killed."""
+    import torch
+
+    from trainer.checkpoint import chunked
+
+    held = torch.empty(int(device_gib * 2**30), dtype=torch.uint8, device="cuda")
+    held.fill_(1)
+    buffers = []
+    for index in range(slots):
+        buffer = new_slot(directory / f"held-{index}.data", int(gib * 2**30), populate=True)
+        assert chunked.register_in_pieces(buffer, 1 << 30, [])
+        buffers.append(buffer)
+    torch.cuda.synchronize()
+    print("held", flush=True)
+    time.sleep(3600)
+
+
+def used_bytes() -> int:
+    import pynvml
+
+    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+
+
+def release(directory: Path, gib: float, slots: int, device_gib: float) -> None:
+    import pynvml
+
+    pynvml.nvmlInit()
+    before = used_bytes()
+    child = subprocess.Popen([sys.executable, __file__, "--hold", "--dir", str(directory), "--gib", str(gib),
+                              "--slots", str(slots), "--device-gib", str(device_gib)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    holding = used_bytes()
+    killed = time.perf_counter()
+    os.kill(child.pid, signal.SIGKILL)
+    reaped = None
+    while used_bytes() > before + (holding - before) * 0.05:
+        if reaped is None and child.poll() is not None:
+            reaped = time.perf_counter() - killed
+        time.sleep(0.005)
+    back = time.perf_counter() - killed
+    child.wait()
+    reaped = reaped if reaped is not None else back
+    emit("release_s", value=round(back, 3), reaped_s=round(reaped, 3), slots=slots, slot_gib=gib,
+         device_gib=device_gib, held_gib=round((holding - before) / 2**30, 2))
+    for index in range(slots):
+        (directory / f"held-{index}.data").unlink(missing_ok=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/dev/shm/pin-probe"))
+    parser.add_argument("--gib", type=float, default=16.0)
+    parser.add_argument("--slots", type=int, default=3)
+    parser.add_argument("--device-gib", type=float, default=60.0)
+    parser.add_argument("--piece-mib", type=int, default=1024)
+    parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    if args.hold:
+        holder(args.dir, args.gib, args.slots, args.device_gib)
+        return
+    thp()
+    pinning(args.dir, args.gib, args.piece_mib)
+    for slots in (0, args.slots, 0, args.slots):
+        release(args.dir, args.gib, slots, args.device_gib)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The slots' reservation ahead of the first snapshot (trainer/checkpoint/reservation.py): on CUDA a new process's
+slot files are populated from the end of the restore, with no CUDA call, and page-locked only from the first step's
+end, each slot after its own population."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from trainer.checkpoint import reservation as reservation_module
+from trainer.checkpoint.reservation import Reservation
+from trainer.checkpoint.slots import SnapshotStore
+
+NBYTES = 1 << 20
+
+
+def store(tmp_path, slots: int = 3) -> SnapshotStore:
+    return SnapshotStore(tmp_path / "snapshots", rank=0, slots=slots, job="job", config_json="{}", node_local=True)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Any CUDA driver call fails the test: the populate stage must make none."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CUDA call during the populate stage")
+
+    monkeypatch.setattr(torch.cuda, "cudart", refuse)
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+
+
+def test_cuda_slots_are_populated_from_the_restore_with_no_cuda_call(tmp_path, no_cuda, monkeypatch, caplog):
+    snapshots = store(tmp_path)
+    gate, mapped, real_map = threading.Event(), [], reservation_module.map_file
+
+    def gated_map(path, nbytes, allocate=False):
+        assert gate.wait(30) and allocate
+        mapped.append(path.name)
+        return real_map(path, nbytes, allocate=allocate)
+
+    monkeypatch.setattr(reservation_module, "map_file", gated_map)
+    reservation = Reservation(snapshots)
+    with caplog.at_level(logging.INFO, logger="trainer.checkpoint.reservation"):
+        reservation.prepare(NBYTES, torch.device("cuda", 0))
+        # while populating, no slot is ready: a snapshot at a fault in the first step does not stage into one
+        assert not any(slot.ready.is_set() for slot in snapshots.slots)
+        assert reservation.deferring(snapshots.choose()) is False  # not deferring before page-locking was asked for
+        gate.set()
+        reservation.join()
+    assert mapped == [f"rank-00000.slot-{i}.data" for i in range(3)]
+    assert all(slot.buffer is not None and slot.buffer.numel() == NBYTES and slot.ready.is_set()
+               for slot in snapshots.slots)
+    assert all(not slot.pinned for slot in snapshots.slots)
+    assert [r.getMessage().split(" populated")[0] for r in caplog.records if "populated" in r.getMessage()] == \
+        [f"snapshot slot {i}" for i in range(3)]
+    reservation.prepare(NBYTES, torch.device("cuda", 0))  # asked again (an in-process restart): nothing new
+    assert len(reservation.threads) == 1
+    snapshots.close(remove=True)
+
+
+def test_page_locking_takes_each_slot_after_its_population(tmp_path, monkeypatch):
+    """The second stage (CPU here: it maps instead of page-locking) reserves a slot only once the first stage has
+    populated it, and the slot the next snapshot goes into is ready before the others are populated."""
+    snapshots = store(tmp_path, slots=2)
+    gates = {0: threading.Event(), 1: threading.Event()}
+    real_map = reservation_module.map_file
+
+    def gated_map(path, nbytes, allocate=False):
+        index = int(path.name.split("slot-")[1].split(".")[0])
+        assert gates[index].wait(30)
+        return real_map(path, nbytes, allocate=allocate)
+
+    monkeypatch.setattr(reservation_module, "map_file", gated_map)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    reserved: list[int] = []
+    from trainer.checkpoint.slots import Slot
+
+    real_reserve = Slot.reserve
+    monkeypatch.setattr(Slot, "reserve", lambda self, nbytes, pin, **kw: (
+        reserved.append(self.index), real_reserve(self, nbytes, False, **kw))[1])
+    reservation = Reservation(snapshots)
+    reservation.prepare(NBYTES, torch.device("cuda", 0))
+    reservation.start_prepare()  # the first step's end, before any slot is populated
+    assert reservation.defer_unready is True
+    assert reservation.deferring(snapshots.choose())  # a snapshot due now is deferred, not waited for
+    gates[0].set()
+    assert snapshots.slots[0].ready.wait(30)
+    assert reserved == [0] and not snapshots.slots[1].ready.is_set()
+    gates[1].set()
+    reservation.join()
+    assert reserved == [0, 1] and all(slot.ready.is_set() for slot in snapshots.slots)
+    assert not reservation.deferring(snapshots.choose())
+    snapshots.close(remove=True)
+
+
+def test_a_failed_population_is_left_to_the_page_locking_stage(tmp_path, monkeypatch, caplog):
+    snapshots = store(tmp_path, slots=2)
+    calls = []
+
+    def failing_map(path, nbytes, allocate=False):
+        calls.append(path.name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reservation_module, "map_file", failing_map)
+    reservation = Reservation(snapshots)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.reservation"):
+        reservation.prepare(NBYTES, torch.device("cuda", 0))
+        reservation.join()
+    assert len(calls) == 2 and all(slot.buffer is None and slot.ready.is_set() for slot in snapshots.slots)
+    assert "snapshot slot 0 not populated ahead: [Errno 28] No space left on device" in caplog.text
+    snapshots.close(remove=True)
