@@ -160,9 +160,15 @@ def test_kill_9_of_the_proxy_kills_the_worker(standby, tmp_path, action):
 def test_the_server_warms_after_the_first_step_and_its_standby_dies_with_it(tmp_path):
     directory = tmp_path / "standby"
     directory.mkdir()
-    server = subprocess.Popen([sys.executable, "-m", "trainer.startup.standby", "serve", "--nproc", "1", "--dir",
-                               str(directory), "--target", TARGET], env=_env(directory), cwd=REPO,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "server.err"  # a file, read while the server runs: its lines follow a standby's socket
+    with open(log, "w") as err_file:
+        server = subprocess.Popen([sys.executable, "-m", "trainer.startup.standby", "serve", "--nproc", "1", "--dir",
+                                   str(directory), "--target", TARGET], env=_env(directory), cwd=REPO,
+                                  stderr=err_file, text=True, start_new_session=True)
+
+    def warm_lines() -> int:
+        return log.read_text().count("local rank 0: warm in")
+
     try:
         time.sleep(1)
         assert not (directory / "standby-0.sock").exists(), "no standby before the worker's first step"
@@ -175,6 +181,8 @@ def test_the_server_warms_after_the_first_step_and_its_standby_dies_with_it(tmp_
         assert not (directory / "standby-0.sock").exists(), "no replacement before the new worker's first step"
         (directory / "first-step-0").touch()
         _wait(lambda: (directory / "standby-0.sock").exists(), "the replacement's socket")
+        # the standby's socket is connectable before the server has read its "ready" and said so
+        _wait(lambda: warm_lines() == 2, "the server's line for the replacement")
         warm = [p for p in map(int, Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split())]
         assert len(warm) == 1
         os.kill(server.pid, signal.SIGKILL)
@@ -183,8 +191,8 @@ def test_the_server_warms_after_the_first_step_and_its_standby_dies_with_it(tmp_
     finally:
         if server.poll() is None:
             server.kill()
-        _, err = server.communicate()
-    assert err.count("local rank 0: warm in") == 2, err
+        server.wait()
+    assert warm_lines() == 2, log.read_text()
 
 
 @pytest.mark.parametrize("theirs, why", [
