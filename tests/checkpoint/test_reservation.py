@@ -111,3 +111,34 @@ def test_a_failed_population_is_left_to_the_page_locking_stage(tmp_path, monkeyp
     assert len(calls) == 2 and all(slot.buffer is None and slot.ready.is_set() for slot in snapshots.slots)
     assert "snapshot slot 0 not populated ahead: [Errno 28] No space left on device" in caplog.text
     snapshots.close(remove=True)
+
+
+def test_a_restarts_mapped_slot_is_ready_before_the_ones_still_being_populated(tmp_path, monkeypatch):
+    """A restart: one slot holds the dead worker's snapshot, mapped (and page-locked ahead by the standby); the others
+    are new. The mapped one is made ready at once, not behind the others' population, even though it holds the
+    newest snapshot (the next snapshot's slot is otherwise first)."""
+    from trainer.checkpoint.slots import Slot, map_file
+
+    snapshots = store(tmp_path)
+    snapshots.dir.mkdir(parents=True)
+    held = snapshots.slots[0]
+    held.buffer, held.step = map_file(held.data_path, NBYTES, allocate=True), 20
+    gate, real_map = threading.Event(), reservation_module.map_file
+    monkeypatch.setattr(reservation_module, "map_file",
+                        lambda path, nbytes, allocate=False: gate.wait(30) and real_map(path, nbytes, allocate=allocate))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    real_reserve = Slot.reserve
+    monkeypatch.setattr(Slot, "reserve", lambda self, nbytes, pin, **kw: real_reserve(self, nbytes, False, **kw))
+    reservation = Reservation(snapshots)
+    try:
+        reservation.prepare(NBYTES, torch.device("cuda", 0))
+        assert held.ready.is_set() and not snapshots.slots[1].ready.is_set()  # only the new ones are populated
+        reservation.start_prepare()
+        assert held.ready.wait(10), "the mapped slot waited for the others' population"
+        assert not snapshots.slots[1].ready.is_set() and not snapshots.slots[2].ready.is_set()
+        assert held.step == 20 and held.buffer.numel() == NBYTES  # its snapshot kept
+    finally:
+        gate.set()
+        reservation.join()
+    assert all(slot.ready.is_set() for slot in snapshots.slots)
+    snapshots.close(remove=True)

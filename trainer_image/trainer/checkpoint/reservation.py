@@ -8,7 +8,8 @@ slot in turn, the slot the next snapshot goes into first:
 - **populate** (CUDA): the files are allocated and their pages faulted in (``chunked.populate``, several threads)
   from the end of the restore (``prepare``), while the start's warm-up and first step run. It is CPU and memory work
   only: no CUDA call, so it never holds the driver the training thread launches through;
-- **page-lock** (``start_prepare``, from the end of the first step): each slot registered with the driver in pieces,
+- **page-lock** (``start_prepare``, from the end of the first step; the slots mapped already first, then those being
+  populated, each in its turn): each slot registered with the driver in pieces,
   pausing after each as long as it took, so that the training thread's launches get the driver in between (a
   registration holds it; during the restore and the first step it doubled a respawned worker's recovery, measured on
   H200). A snapshot that waits for its slot (``urgent``) ends the pauses. On CPU this stage maps the files itself.
@@ -86,7 +87,9 @@ class Reservation:
         (nbytes, device), self._request = self._request, None
         pin = device.type == "cuda"
         self.defer_unready = pin if self.defer_unready is None else self.defer_unready
-        order = self._order()
+        # FT: a slot mapped already (a restart's: page-locked ahead by the standby, or the dead worker's) is made ready
+        # first, in moments; one still being populated would hold it for seconds behind it
+        order = sorted(self._order(), key=lambda slot: slot.index in self._populated)
         with self._lock:
             self._started = True
             for slot in order:
