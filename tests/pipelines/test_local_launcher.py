@@ -130,6 +130,12 @@ def test_kill_leftovers_is_idempotent(tmp_path):
     marker = f"test-marker-{uuid.uuid4().hex}"
     proc = subprocess.Popen(["sleep", "300"], env={**os.environ, ll.MARKER_ENV: marker}, start_new_session=True)
     ll._write_state(state, proc.pid, marker)
+    # a leftover is a process that has run its program: until the child's exec, /proc shows the parent's
+    # environment, without the marker (seen under load in CI: 0 signalled instead of 1)
+    deadline = time.monotonic() + 10
+    while ll._marked_pids(marker) != [proc.pid]:
+        assert time.monotonic() < deadline, "the child never carried the marker"
+        time.sleep(0.01)
     assert kill_leftovers(state, grace_s=2) == 1
     assert proc.wait(timeout=5) == -signal.SIGTERM
     assert kill_leftovers(state) == 0  # nothing left, no state file: a no-op
