@@ -42,20 +42,16 @@ def thp() -> None:
 
 
 def new_slot(path: Path, nbytes: int, populate: bool):  # -> torch.Tensor
-    from trainer.checkpoint import chunked
     from trainer.checkpoint.slots import map_file
 
     path.unlink(missing_ok=True)
     if populate:
         return map_file(path, nbytes, allocate=True)  # fallocate + chunked.populate on a memory file system
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # the same file, its pages left to the first touch
     os.ftruncate(fd, nbytes)
     os.posix_fallocate(fd, 0, nbytes)
     os.close(fd)
-    import torch
-
-    assert chunked  # the populating variant's module
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    return map_file(path, nbytes)
 
 
 def pinning(directory: Path, gib: float, piece_mib: int) -> None:

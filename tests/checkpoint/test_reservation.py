@@ -142,3 +142,27 @@ def test_a_restarts_mapped_slot_is_ready_before_the_ones_still_being_populated(t
         reservation.join()
     assert all(slot.ready.is_set() for slot in snapshots.slots)
     snapshots.close(remove=True)
+
+
+def test_a_failed_page_locking_stage_does_not_free_a_slot_still_being_populated(tmp_path, monkeypatch, caplog):
+    """The page-locking stage fails at once (here: its device); the slots become usable (a snapshot then reserves
+    its own), but never one the populate stage is still mapping."""
+    snapshots = store(tmp_path, slots=2)
+    gate, real_map = threading.Event(), reservation_module.map_file
+    monkeypatch.setattr(reservation_module, "map_file",
+                        lambda path, nbytes, allocate=False: gate.wait(30) and real_map(path, nbytes, allocate=allocate))
+
+    def no_device(device):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_device)
+    reservation = Reservation(snapshots)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.reservation"):
+        reservation.prepare(NBYTES, torch.device("cuda", 0))
+        reservation.start_prepare()
+        assert not snapshots.slots[0].ready.wait(0.5), "a slot freed while its population still ran"
+        gate.set()
+        reservation.join()
+    assert "snapshot slots not prepared ahead of the first save: no CUDA device" in caplog.text
+    assert all(slot.ready.is_set() and slot.buffer is not None for slot in snapshots.slots)
+    snapshots.close(remove=True)

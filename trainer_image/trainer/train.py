@@ -180,22 +180,17 @@ def train(
         log.info("in-process restart: %.2f GiB of device memory allocated at the re-entry of train() (peak so far "
                  "%.2f GiB)", torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30)
         device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s, "after an in-process restart")
-    began = time.perf_counter()
     parallel.init_process_group(device, env, cfg.resiliency.collective_timeout_s, store)
-    parts = {"init": time.perf_counter() - began}
     if not phases.CLOCK.reentry and device.type == "cuda":  # FT: the process group was made meanwhile
         device_handover.wait_for_predecessor(env.local_rank, cfg.resiliency.device_wait_s,
                                              "its previous worker's memory is being released, before the model's build")
-        parts["predecessor"] = time.perf_counter() - began - sum(parts.values())
     checkpointer = res.checkpointer
     checkpointer.event_sink = ft.record  # FT: the automatic checkpoint interval goes into the recovery ledger
     checkpointer.keepalive = ft.keepalive  # FT: a slow disk during a blocking save is not a hung rank
     state: dict[str, Any] | None = None
     try:
         checkpointer.bind()  # FT: per attempt: the new process group; a write left in flight goes on in the background
-        parts["bind"] = time.perf_counter() - began - sum(parts.values())
         phases.CLOCK.mark("process_group")
-        log.info("process group phase (s): %s", ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
 
         def fresh() -> dict[str, Any]:
             model = build_model(cfg, device)

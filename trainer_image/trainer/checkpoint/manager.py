@@ -417,10 +417,11 @@ class CheckpointManager:
         time, snapshot cost, a slot still being prepared on some rank), each the same on every rank: one
         all-reduce."""
         step_s, cost_s = self.policy.measurements()
-        free = self.snapshots.choose() is not None
+        slot = self.snapshots.choose()
+        free = slot is not None
         idle = self.persistent.inflight is None  # an abandoned write is cleared by save()'s poll once it finished
         want = self.persist_policy.wants()
-        preparing = self.reservation.deferring(self.snapshots.choose())
+        preparing = self.reservation.deferring(slot)
         values = self.coord.all_reduce([float(-free), float(-idle), float(want), step_s, cost_s, float(preparing)],
                                        dist.ReduceOp.MAX)
         return values[0] < 0, values[1] < 0, values[2] > 0, values[3], values[4], values[5] > 0

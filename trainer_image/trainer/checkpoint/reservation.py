@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.slots import Slot, map_file
+from trainer.checkpoint.slots import Slot, SnapshotStore, map_file
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Reservation:
     """The background reservation of one ``SnapshotStore``'s slots, once per process (in-process restarts keep
     the slots)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: SnapshotStore) -> None:
         self.store = store
         self.defer_unready: bool | None = None
         """Whether a snapshot whose slot is still being reserved is deferred instead of waited for (``ready``); None:
@@ -54,9 +54,9 @@ class Reservation:
         if self._started:  # once per process
             return
         self._request = (nbytes, device)
-        if device.type != "cuda" or self._populated:
+        fresh = [slot for slot in self._order() if slot.buffer is None and slot.index not in self._populated]
+        if device.type != "cuda" or not fresh:
             return
-        fresh = [slot for slot in self._order() if slot.buffer is None]
         for slot in fresh:
             self._populated[slot.index] = threading.Event()
             slot.ready.clear()  # nothing stages into it (a snapshot at a fault in the first step) while it is mapped
@@ -111,8 +111,10 @@ class Reservation:
                              " and page-locked" if slot.pinned else "", time.perf_counter() - began)
             except Exception as exc:  # the first save reserves (and reports) it again
                 log.warning("snapshot slots not prepared ahead of the first save: %s", exc)
-            finally:
+            finally:  # never a slot the populate stage is still mapping
                 for slot in order:
+                    if slot.index in self._populated:
+                        self._populated[slot.index].wait()
                     slot.ready.set()
 
         self._spawn(run, "snapshot-prepare")

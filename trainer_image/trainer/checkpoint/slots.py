@@ -182,8 +182,9 @@ class Slot:
             self.layout, self.views = layout, map_views(self.buffer, layout)
 
     def reserve(self, nbytes: int, pin: bool, keep_content: bool = False, pause: Any = None) -> None:
-        """Allocate (and pin) at least ``nbytes``: the slow part of a first save (the 1B model: ~13 s per slot),
-        done ahead of it by ``reservation.Reservation``. A mapped slot (a discovered snapshot) is pinned in place."""
+        """Allocate (and pin) at least ``nbytes``: the slow part of a first save (seconds per slot for the 1B model:
+        BENCHMARKS.md, "Snapshot cost"), done ahead of it by ``reservation.Reservation``. A mapped slot (a discovered
+        snapshot) is pinned in place."""
         if self.buffer is not None and self.buffer.numel() >= nbytes and (pin or not self.pinned):
             if pin and not self.pinned and not self.pin_refused:
                 self._pin(pause)
