@@ -6,7 +6,6 @@ again. Here the driver's registration is a recorder (CPU); on a GPU the effect i
 from __future__ import annotations
 
 import logging
-import time
 import os
 from pathlib import Path
 
@@ -234,59 +233,3 @@ def test_slots_on_a_disk_are_not_page_locked(tmp_path, driver, monkeypatch):
     mapper = premap.Premapper([str(path)], driver.register, driver.unregister)
     mapper.refresh(str(path))
     assert driver.calls == [] and "not on a memory file system" in mapper.refused and mapper.locked_bytes() == 0
-
-
-def _locked_all(mapper: premap.Premapper, files: list[str]) -> bool:
-    return mapper.locked_bytes() == sum(os.path.getsize(f) for f in files)
-
-
-def test_a_new_worker_without_a_standby_page_locks_its_snapshots_newest_first_and_its_restore_takes_them(
-        tmp_path, pg, driver, caplog, monkeypatch):
-    """The fork server's worker (or a plain start) finds the slot files its dead predecessor published: it maps and
-    page-locks them itself, the newest snapshot's first, while it waits for its device; the restore stops that
-    thread and copies from those mappings, locking nothing again, and releases everything at the end."""
-    monkeypatch.setattr(chunked, "cuda_register", driver.register)
-    state = make_state()
-    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
-    save_two_steps(mgr, state)
-    expected = snapshot(state)
-    newest = str(mgr.snapshots.slot_for(2).data_path)
-    files = mgr.snapshot_files()
-    mgr.close()
-    respawned = manager(tmp_path, memory_slots=2)
-    try:
-        assert respawned.premap_ahead(torch.device("cpu")) == "page-locking 2 node-local snapshot file(s) ahead of the restore"
-        mapper = premap._RUNNING[-1]
-        assert mapper.paths[0] == newest and not mapper.background
-        deadline = time.monotonic() + 30
-        while not _locked_all(mapper, files) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _locked_all(mapper, files)
-        registered = len(driver.calls)
-        restored = make_state(seed=7)
-        with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
-            assert respawned.load_latest(restored) == 2
-        assert "page-locked ahead by this worker while it waited for its device" in caplog.text
-        assert_equal(snapshot(restored), expected)
-        assert premap._RUNNING == [] and premap._REGISTRY == {}
-        assert [c for c, _ in driver.calls[registered:]] == [], "the restore locked or released a premapped chunk"
-    finally:
-        respawned.close(job_over=True)
-    assert driver.locked == {}, "a chunk locked ahead was never unlocked"
-
-
-def test_no_page_locking_ahead_over_a_standbys_mappings_without_resume_or_without_snapshots(tmp_path, pg, driver):
-    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
-    assert mgr.premap_ahead(torch.device("cpu")) == ""  # nothing published yet
-    save_two_steps(mgr, make_state())
-    files = mgr.snapshot_files()
-    mgr.close()
-    standby = premap.Premapper(files, driver.register, driver.unregister)
-    standby.refresh(files[0])
-    for kw in ({"resume": False}, {}):  # resume off; then a standby's mappings held (``standby`` above)
-        respawned = manager(tmp_path, memory_slots=2, **kw)
-        try:
-            assert respawned.premap_ahead(torch.device("cpu")) == ""
-            assert premap._RUNNING == []
-        finally:
-            respawned.close()

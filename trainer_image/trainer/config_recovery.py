@@ -239,11 +239,6 @@ class ResiliencyConfig:
     """GPU, with warm standby workers: a standby maps and page-locks the node-local snapshot slots of the worker it
     may replace (the same pages: no extra memory), in the background at the lowest priority, so that an in-job
     restore copies them at once instead of page-locking them first (``trainer/checkpoint/premap.py``)."""
-    restart_premap: bool = True
-    """GPU: a new worker whose rank left node-local snapshot slots on this node, where no standby page-locked them
-    (the fork server's worker, a plain start, a restarted container), maps and page-locks them itself, the newest
-    snapshot first, while it waits for its predecessor's device memory and builds its model
-    (``CheckpointManager.premap_ahead``): the restore then copies at the page-locked rate."""
     device_wait_s: float = 120.0
     """GPU: how long a worker that takes over a local rank (a warm standby or a fresh process) waits for the device
     memory its dead predecessor still holds (the peak it recorded: ``trainer/resiliency/device.py``) before its first

@@ -100,8 +100,6 @@ class Resources:
             # FT: its gloo collectives cannot be aborted: keep them below the in-process soft timeout.
             coordination_timeout_s=min(r.collective_timeout_s, r.soft_timeout_s / 2) if r.inprocess else r.collective_timeout_s,
         )
-        if device.type == "cuda" and r.restart_premap and (ahead := checkpointer.premap_ahead(device)):
-            log.info("%s", ahead)  # FT: beside the wait for the predecessor's memory and the model's build
         if base_model is not None and not (cfg.checkpoint.resume and committed_steps(cfg.checkpoint_dir)):
             base_model.fetch_weights()  # a URI: downloaded now, outside the restartable train(), unless resuming
         return cls(cfg=cfg, env=env, device=device, dataset=dataset, metrics=metrics, checkpointer=checkpointer,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.startup import forkserver
-from trainer.checkpoint import chunked, hostmem, premap, reaper, reshard, storage
+from trainer.checkpoint import hostmem, reaper, reshard, storage
 from trainer.checkpoint.atfault import Whole, WholeStep
 from trainer.checkpoint.coordination import Coordination
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
@@ -311,28 +311,6 @@ class CheckpointManager:
         """This rank's node-local slot files (a warm standby page-locks them ahead of an in-job restart); none
         without the node-local tier."""
         return [str(s.data_path) for s in self.snapshots.slots] if self.snapshots.node_local else []
-
-    def premap_ahead(self, device: torch.device) -> str:
-        """A new process whose rank left node-local snapshots on this node, and no standby that page-locked them
-        (the fork server's worker, a plain start, a restarted container): map and page-lock their files, the newest
-        snapshot's first, in a thread from now until the restore takes them (``premap``). It overlaps the wait for
-        the predecessor's device memory and the model's build; the restore then copies at the page-locked rate
-        instead of locking 18 GB first. Returns what it started, for the log ('' for nothing)."""
-        if not self.cfg.resume or not self.snapshots.node_local or premap.holding():
-            return ""
-        published = []
-        for slot in self.snapshots.slots:
-            try:  # the newest header first: the snapshot the restore most likely copies
-                published.append((slot.meta_path.stat().st_mtime_ns, str(slot.data_path)))
-            except OSError:  # no header: nothing to restore from it
-                continue
-        if not published:
-            return ""
-        paths = [path for _, path in sorted(published, reverse=True)]
-        premap.Premapper(paths, chunked.cuda_register, chunked.cuda_unregister, background=False,
-                         thread_init=(lambda: torch.cuda.set_device(device)) if device.type == "cuda" else (lambda: None),
-                         by="this worker while it waited for its device").start()
-        return f"page-locking {len(paths)} node-local snapshot file(s) ahead of the restore"
 
     def latest_in_memory(self) -> Slot | None:
         """This rank's newest complete memory checkpoint, or None."""

@@ -1,9 +1,5 @@
-"""A rank's node-local snapshot slots mapped and page-locked ahead of an in-job restart's restore: by the warm standby
-that will become the restarted worker (``trainer/startup/standby.py``, knob ``resiliency.standby_premap``), or, where
-no standby took over (the fork server's worker, a plain start, a restarted container), by the new worker itself while
-it waits for its predecessor's device memory and builds its model (``CheckpointManager.premap_ahead``, knob
-``resiliency.restart_premap``): the newest snapshot's file first, without pauses, since the worker has nothing else
-for the driver then.
+"""A rank's node-local snapshot slots mapped and page-locked ahead of an in-job restart, by the warm standby that
+will become the restarted worker (``trainer/startup/standby.py``, knob ``resiliency.standby_premap``).
 
 A respawned worker restores from the slots its dead predecessor left in ``/dev/shm``. Copying 18 GB of a fresh
 mapping to the GPU is bounded by page-locking it (``cudaHostRegister`` faults in and pins every page: ~1.4 s for
@@ -14,8 +10,7 @@ the worker's first-step marker and registers them in ``chunked.CHUNK_BYTES`` chu
 at the lowest priority, pausing after each. The files are the live worker's slots (``MAP_SHARED``: the same pages,
 no extra memory), so the mapping always shows what the worker last wrote.
 
-At the handoff the thread stops (``stop``; ``discover`` stops any still running: ``stop_all``), and
-``SnapshotStore.discover`` takes a file's mapping (``take``) when it
+At the handoff the thread stops (``stop``), and ``SnapshotStore.discover`` takes a file's mapping (``take``) when it
 is still the same file (device, inode, size); the restore then copies at once from the chunks already locked and
 locks the rest. A file that changed or vanished is unregistered and unmapped; so is what no slot took, once
 ``discover`` is done (``release_all``)."""
@@ -41,7 +36,6 @@ PAUSE_FACTOR = 1.0
 
 _REGISTRY: dict[str, Premapped] = {}
 _LOCK = threading.Lock()
-_RUNNING: list[Premapper] = []
 TAKEN: list[int] = []
 """Bytes of each mapping ``take`` handed over in this process (a restore that copies at once)."""
 
@@ -54,8 +48,6 @@ class Premapped:
     """(st_dev, st_ino, st_size) of the file when it was mapped."""
     buffer: torch.Tensor
     chunks: list[int] = field(default_factory=list)
-    by: str = "the standby"
-    """Who page-locked it (the restore's log line)."""
 
     @property
     def locked_bytes(self) -> int:
@@ -107,18 +99,6 @@ def adopt(path: str | os.PathLike, layout: dict[str, tuple[str, int, tuple[int, 
     return entry
 
 
-def holding() -> bool:
-    """Whether this process holds mappings made ahead (a standby's, taken over by the worker it became)."""
-    with _LOCK:
-        return bool(_REGISTRY)
-
-
-def stop_all() -> None:
-    """Stop every ``Premapper`` of this process still running (the restore is about to take their mappings)."""
-    while _RUNNING:
-        _RUNNING.pop().stop()
-
-
 def release_all(unregister: Callable[[int], None] | None = None) -> None:
     """Unregister and unmap whatever was not taken (a standby that ends unused, or a restore that did not use it)."""
     with _LOCK:
@@ -139,21 +119,17 @@ class Premapper:
 
     def __init__(self, paths: list[str], register: Callable[[int, int], bool] = chunked.cuda_register,
                  unregister: Callable[[int], None] = chunked.cuda_unregister, poll_s: float = POLL_S,
-                 thread_init: Callable[[], None] = lambda: None, background: bool = True,
-                 by: str = "the standby") -> None:
-        """``background``: at the lowest priority, pausing after each chunk as long as it took (a standby beside the
-        worker it may replace); else at once (a new worker waiting for its device). ``by``: who, for the log."""
+                 thread_init: Callable[[], None] = lambda: None) -> None:
         self.paths = [str(p) for p in paths]
         self.register, self.unregister, self.poll_s = register, unregister, poll_s
-        self.thread_init, self.background, self.by = thread_init, background, by
+        self.thread_init = thread_init
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refused = ""
         """Why the driver refused to page-lock a chunk (then the thread ends; the restore locks them itself)."""
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="premap", daemon=True)
-        _RUNNING.append(self)
+        self._thread = threading.Thread(target=self._run, name="standby-premap", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -169,8 +145,7 @@ class Premapper:
 
     def _run(self) -> None:
         try:
-            if self.background:
-                os.nice(19)  # this thread only (Linux): it never competes with the worker it may replace
+            os.nice(19)  # this thread only (Linux): it never competes with the worker it may replace
         except OSError:
             pass
         self.thread_init()
@@ -201,7 +176,7 @@ class Premapper:
                 buffer = torch.from_file(path, shared=True, size=now[2], dtype=torch.uint8)
             except (OSError, RuntimeError):  # removed meanwhile: the next poll sees it gone
                 return
-            entry = Premapped(now, buffer, by=self.by)
+            entry = Premapped(now, buffer)
             with _LOCK:
                 _REGISTRY[path] = entry
         base, nbytes = entry.buffer.data_ptr(), entry.buffer.numel()
@@ -214,5 +189,4 @@ class Premapper:
                 self.refused = f"the driver refused to page-lock {path}"
                 return
             entry.chunks.append(base + start)  # ``take`` runs only after ``stop`` has joined this thread
-            if self.background:
-                self._stop.wait(PAUSE_FACTOR * (time.perf_counter() - began))
+            self._stop.wait(PAUSE_FACTOR * (time.perf_counter() - began))

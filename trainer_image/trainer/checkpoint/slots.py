@@ -366,7 +366,6 @@ class SnapshotStore:
         """Map the slots a previous process of this rank published (``only``: that slot, a replica fetched into it);
         returns their steps (not yet verified). A snapshot of another job, rank, world size, config or model is
         ignored with a warning. ``pieces_fn`` gives this model's pieces; called only when there is a header."""
-        premap.stop_all()  # FT: a new worker's own page-locking ahead (``premap_ahead``) hands over what it locked
         try:
             return self._discover(pieces_fn, only)
         finally:  # FT: what a standby page-locked and no slot took (another rank's files, a slot with no header)
@@ -389,8 +388,8 @@ class SnapshotStore:
             slot.buffer = premapped.buffer if premapped else map_file(slot.data_path, meta["nbytes"])
             slot.chunk_pins = premapped.chunks if premapped else []
             if premapped:
-                log.info("node-local snapshot of step %d: %.1f of %.1f GiB page-locked ahead by %s",
-                         meta["step"], premapped.locked_bytes / 2**30, meta["nbytes"] / 2**30, premapped.by)
+                log.info("node-local snapshot of step %d: %.1f of %.1f GiB page-locked ahead by the standby",
+                         meta["step"], premapped.locked_bytes / 2**30, meta["nbytes"] / 2**30)
             slot.layout, slot.views = expected, map_views(slot.buffer, expected)
             slot.step, slot.payload, slot.pieces = meta["step"], meta["payload"], dict(pieces)
             self._expected_checksum[slot.index] = meta["checksum"]
