@@ -3,7 +3,9 @@
 A node's snapshot directory holds its ranks' own slots (``rank-R.slot-J``), the peer tier's replicas of other nodes'
 ranks (``peer-rank-R.slot-J``) and old ranks' snapshots fetched for a reshard (``cut-rank-R.slot-J``), each a data
 file beside its ``.meta`` header. The peer tier (which replicas it holds) and the reshard (which old world sizes
-are complete here) both look through them with ``scan``.
+are complete here) both look through them with ``scan``. Every header file is written to a side name and renamed into
+place (a new file per version), so ``slots.load_header`` unpickles each version once per process: a restore's
+several scans, and the node-local discovery before them, read each header once.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
-from trainer.checkpoint.slots import SNAPSHOT_FORMAT
+from trainer.checkpoint.slots import SNAPSHOT_FORMAT, load_header
 
 PEER = "peer-"
 """The name prefix of a replica of another node's rank (the peer tier)."""
@@ -52,7 +52,7 @@ def scan(store: Any) -> Iterator[Header]:
         if not match:
             continue
         try:
-            meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+            meta = load_header(meta_path)  # once per version of the file: a restore scans several times
         except Exception:  # noqa: BLE001 - half-written or foreign
             continue
         if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT or \

@@ -522,7 +522,9 @@ class Replicator:
                         data_path.unlink(missing_ok=True)
                         return (f"rank {rank}'s snapshot of step {step} from rank {holder} does not match its seal "
                                 "(altered on disk or in flight)"), {}, nbytes
-                    stem.with_name(stem.name + ".meta").write_bytes(header)
+                    partial = stem.with_name(stem.name + ".meta.partial")
+                    partial.write_bytes(header)
+                    os.replace(partial, stem.with_name(stem.name + ".meta"))  # a new file: read afresh (load_header)
         except (OSError, ValueError, RuntimeError) as exc:
             return f"fetching rank {rank}'s snapshot of step {step} from rank {holder} failed ({exc})", {}, 0
         return "", meta, nbytes

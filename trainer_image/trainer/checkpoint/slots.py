@@ -49,6 +49,32 @@ DIR_PREFIX = "resilient-train-"
 _ALIGN_BYTES = 64
 """Every tensor starts at a multiple of this many bytes inside its slot (any dtype can view it; 8-byte words)."""
 
+
+_HEADERS: dict[str, tuple[tuple[int, int, int, int], Any]] = {}
+"""Header path -> (its file's device, inode, size and mtime; the header) as last read or published here."""
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def load_header(path: Path) -> Any:
+    """The snapshot header at ``path`` (``torch.load``, weights only), unpickled once per version of the file in this
+    process (a header is replaced, never rewritten in place: a new version is a new inode). A restore looks through
+    the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's candidates
+    and its clean-up), and each unpickling of a header's layout and non-tensor state costs tens of milliseconds on
+    the restart's critical path; a header this process published is not read back at all. Raises what ``os.stat``
+    and ``torch.load`` raise. The caller must not modify what it returns."""
+    key = _file_identity(path)  # FT: before the load: a file replaced in between is read again next time
+    cached = _HEADERS.get(str(path))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    meta = torch.load(path, map_location="cpu", weights_only=True)
+    _HEADERS[str(path)] = (key, meta)
+    return meta
+
+
 Layout = dict[str, tuple[str, int, tuple[int, ...]]]
 """key -> (dtype name, byte offset, shape)."""
 
@@ -343,6 +369,7 @@ class SnapshotStore:
             torch.save(meta, partial)
             if slot.step == step:  # not invalidated meanwhile
                 os.replace(partial, slot.meta_path)
+                _HEADERS[str(slot.meta_path)] = (_file_identity(slot.meta_path), meta)  # read by the next restore
                 self.on_published(slot, step)  # the peer tier's copy (replicas.py): restaging waits for it
             else:
                 partial.unlink(missing_ok=True)
@@ -401,7 +428,7 @@ class SnapshotStore:
 
     def _read_meta(self, slot: Slot, expected: Layout, nbytes: int) -> tuple[str, dict[str, Any]]:
         try:
-            meta = torch.load(slot.meta_path, map_location="cpu", weights_only=True)
+            meta = load_header(slot.meta_path)
         except Exception as exc:  # noqa: BLE001 - any unreadable header only disqualifies this snapshot
             return f"unreadable header ({type(exc).__name__})", {}
         if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT or meta.get("version") != SNAPSHOT_VERSION:

@@ -1,0 +1,89 @@
+"""The host-side time of a restore from the memory and node-local tiers, on CPU: ``CheckpointManager.load_latest``
+for a model with the ``1b`` flavour's tensor count (16 blocks: 147 parameters, 441 optimizer tensors) at a tiny width,
+so what it measures is the restore's Python and unpickling work, not a copy. Two cases, each ``--runs`` times:
+
+- ``in-process``: the same manager restores into a fresh model and optimizer (an in-process restart);
+- ``new process``: a second manager, with no header read yet in this process, restores what the first one
+  published (an in-job restart's worker).
+
+Prints one JSON line per case: the median and each run's seconds, and the snapshot headers unpickled per restore.
+
+    .venv/bin/python bench/restore_cpu.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "trainer_image"), str(ROOT / "tests" / "checkpoint"), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import statelib  # noqa: E402
+from trainer.checkpoint import slots  # noqa: E402
+from trainer.config import ModelConfig  # noqa: E402
+
+statelib.MODEL = ModelConfig(name="blocks16", dim=64, n_layers=16, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=64)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    loads: list[str] = []
+    real_load = torch.load
+
+    def counting(path, *a, **kw):
+        if str(path).endswith(".meta"):
+            loads.append(str(path))
+        return real_load(path, *a, **kw)
+
+    torch.load = counting  # every header read goes through torch.load
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        state = statelib.make_state()
+        mgr = statelib.manager(directory, persist_every=0, memory_slots=3)
+        for step in (1, 2, 3):
+            statelib.train_step(state, step)
+            mgr.save(step, state)
+        for slot in mgr.snapshots.slots:
+            slot.published.wait(60)
+        cases = {"in-process": [], "new process": []}
+        read = {"in-process": [], "new process": []}
+        for _ in range(args.runs):
+            fresh = statelib.make_state(seed=3)
+            mgr.unbind()
+            mgr.bind()
+            loads.clear()
+            began = time.perf_counter()
+            assert mgr.load_latest(fresh) == 3
+            cases["in-process"].append(time.perf_counter() - began)
+            read["in-process"].append(len(loads))
+        mgr.close()
+        for _ in range(args.runs):
+            getattr(slots, "_HEADERS", {}).clear()  # a new process has read no header
+            respawned = statelib.manager(directory, memory_slots=3)
+            fresh = statelib.make_state(seed=5)
+            loads.clear()
+            began = time.perf_counter()
+            assert respawned.load_latest(fresh) == 3
+            cases["new process"].append(time.perf_counter() - began)
+            read["new process"].append(len(loads))
+            respawned.close()
+    for case, seconds in cases.items():
+        print(json.dumps({"figure": "restore_cpu", "case": case, "median_s": round(statistics.median(seconds), 4),
+                          "runs_s": [round(s, 4) for s in seconds], "headers_unpickled": read[case]}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

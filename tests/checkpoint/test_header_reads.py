@@ -1,0 +1,82 @@
+"""A snapshot header is unpickled once per version of its file in a process (``slots.load_header``): a restore looks
+through the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's
+candidates and clean-up), and each unpickling lies on the restart's critical path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from statelib import assert_equal, make_state, manager, pg, save_two_steps, snapshot  # noqa: F401 - pg
+from trainer.checkpoint import slots
+
+
+@pytest.fixture
+def header_loads(monkeypatch):
+    """The header files ``torch.load`` unpickles through ``slots`` (every header read goes through it)."""
+    loads: list[str] = []
+    real = torch.load
+
+    def counting(path, *args, **kwargs):
+        loads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(slots.torch, "load", counting)
+    monkeypatch.setattr(slots, "_HEADERS", {})  # a process of its own
+    yield loads
+
+
+def _published(mgr) -> None:
+    for slot in mgr.snapshots.slots:
+        slot.published.wait(30)
+
+
+def test_an_in_process_restore_reads_back_no_header_this_process_published(tmp_path, pg, header_loads):
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    try:
+        state = make_state()
+        save_two_steps(mgr, state)
+        _published(mgr)
+        expected = snapshot(state)
+        restarted = make_state(seed=5)  # the in-process restart's fresh model and optimizer, the same manager
+        mgr.unbind()
+        mgr.bind()
+        assert mgr.load_latest(restarted) == 2
+        assert_equal(snapshot(restarted), expected)
+        assert header_loads == []
+    finally:
+        mgr.close(job_over=True)
+
+
+def test_a_new_process_unpickles_each_header_once_in_its_restore(tmp_path, pg, header_loads):
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    state = make_state()
+    save_two_steps(mgr, state)
+    expected = snapshot(state)
+    files = [str(slot.meta_path) for slot in mgr.snapshots.slots]
+    mgr.close()
+    slots._HEADERS.clear()  # the respawned worker's process
+    respawned = manager(tmp_path, memory_slots=2)
+    try:
+        restored = make_state(seed=7)
+        assert respawned.load_latest(restored) == 2
+        assert_equal(snapshot(restored), expected)
+        assert sorted(header_loads) == sorted(files)  # discovery, holdings, candidates, clean-up: once each
+    finally:
+        respawned.close(job_over=True)
+
+
+def test_a_replaced_or_removed_header_is_read_again(tmp_path, header_loads):
+    path = tmp_path / "rank-00000.slot-0.meta"
+    torch.save({"step": 1}, path)
+    assert slots.load_header(path) == {"step": 1}
+    assert slots.load_header(path) == {"step": 1} and len(header_loads) == 1
+    partial = tmp_path / "partial"
+    torch.save({"step": 2}, partial)
+    os.replace(partial, path)  # how headers are published: a new file
+    assert slots.load_header(path) == {"step": 2} and len(header_loads) == 2
+    path.unlink()
+    with pytest.raises(FileNotFoundError):
+        slots.load_header(path)
