@@ -61,7 +61,8 @@ def _file_identity(path: Path) -> tuple[int, int, int, int]:
 
 def load_header(path: Path) -> Any:
     """The snapshot header at ``path`` (``torch.load``, weights only), unpickled once per version of the file in this
-    process (a header is replaced, never rewritten in place: a new version is a new inode). A restore looks through
+    process (a header is replaced by a rename, never rewritten in place: a new version is another file, its inode or
+    its modification time another, ``_file_identity``). A restore looks through
     the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's candidates
     and its clean-up), and each unpickling of a header's layout and non-tensor state costs tens of milliseconds on
     the restart's critical path; a header this process published is not read back at all. Raises what ``os.stat``
@@ -73,6 +74,14 @@ def load_header(path: Path) -> Any:
     meta = torch.load(path, map_location="cpu", weights_only=True)
     _HEADERS[str(path)] = (key, meta)
     return meta
+
+
+def _remember_header(path: Path, meta: Any) -> None:
+    """``meta`` as the header just renamed into place at ``path`` (by this process: no need to read it back)."""
+    try:
+        _HEADERS[str(path)] = (_file_identity(path), meta)
+    except OSError:  # removed meanwhile: the next reader finds it gone
+        _HEADERS.pop(str(path), None)
 
 
 Layout = dict[str, tuple[str, int, tuple[int, ...]]]
@@ -369,7 +378,7 @@ class SnapshotStore:
             torch.save(meta, partial)
             if slot.step == step:  # not invalidated meanwhile
                 os.replace(partial, slot.meta_path)
-                _HEADERS[str(slot.meta_path)] = (_file_identity(slot.meta_path), meta)  # read by the next restore
+                _remember_header(slot.meta_path, meta)  # the next restore in this process reads it from here
                 self.on_published(slot, step)  # the peer tier's copy (replicas.py): restaging waits for it
             else:
                 partial.unlink(missing_ok=True)
