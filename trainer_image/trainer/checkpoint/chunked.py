@@ -176,25 +176,50 @@ def register_in_pieces(buffer: torch.Tensor, piece: int, registered: list[int],
 
 
 POPULATE_THREADS = 8
-"""Threads that fault a new slot's pages in (``populate``), at most half the CPUs."""
+"""Threads that fault a new slot's pages in (``populate``): at most this many, and at most half the CPUs this process
+may run on, shared among the node's local ranks (``LOCAL_WORLD_SIZE``), which populate their slots at once."""
 PAGE_BYTES = 4096
+SERIAL_PAGES = 8192
+"""Pages one torch call of ``populate`` touches: below ATen's grain size (32,768 elements), so the call runs on the
+thread that makes it, not on the intra-op pool. Whole ranges in one call each fanned out over an OpenMP team of every
+CPU: on a 16-CPU host 8 populating threads put ~130 threads on the run queue (mostly in the kernel's fault path) and
+stalled the training loop ~0.45 s as each slot's population ended (BENCHMARKS.md, "Snapshot cost")."""
+
+
+def populate_threads(most: int = POPULATE_THREADS) -> int:
+    """How many threads ``populate`` uses in this process (``POPULATE_THREADS``)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(most, cpus // (2 * local)))
 
 
 def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
-    """Fault in every page of a NEW, all-zero shared mapping (a fallocated tmpfs file) on several threads: one zero
-    written per 4 KiB page (a strided torch op per thread: the GIL is released). ``posix_fallocate`` on tmpfs
-    reserves pages without clearing or mapping them; left to the page-locking (``cudaHostRegister``), each page's
-    fault and clearing ran inside the registration with the CUDA driver held, and left to a first copy into a
-    pageable slot, it made that copy ~20x slower (4 GiB here: 11 s, 0.5 s once populated). Tried first on H200:
-    ``madvise(MADV_POPULATE_WRITE)`` over GiB ranges stalled the training loop for seconds, probably by holding the
-    address space's lock for each whole range; single faults take it briefly, and on H200 the first steps lose a
-    fraction of what they lost with madvise."""
+    """Fault in every page of a NEW, all-zero shared mapping (a fallocated tmpfs file) on several threads
+    (``populate_threads``): one zero written per 4 KiB page, by strided torch ops of ``SERIAL_PAGES`` pages each (the
+    GIL is released; each op stays on its own thread). ``posix_fallocate`` on tmpfs reserves pages without clearing
+    or mapping them; left to the page-locking (``cudaHostRegister``), each page's fault and clearing ran inside the
+    registration with the CUDA driver held, and left to a first copy into a pageable slot, it made that copy ~20x
+    slower (4 GiB here: 11 s, 0.5 s once populated). Tried first on H200: ``madvise(MADV_POPULATE_WRITE)`` over GiB
+    ranges stalled the training loop for seconds, probably by holding the address space's lock for each whole range;
+    single faults take it briefly."""
     flat = buffer.view(-1)
-    count = max(1, min(threads, (os.cpu_count() or 2) // 2))
+    count = populate_threads(threads)
     share = -(-flat.numel() // count // PAGE_BYTES) * PAGE_BYTES
     ranges = [(start, min(start + share, flat.numel())) for start in range(0, flat.numel(), share)]
+    step = SERIAL_PAGES * PAGE_BYTES
+
+    def touch(span: tuple[int, int]) -> None:
+        for start in range(span[0], span[1], step):
+            flat[start:min(start + step, span[1]):PAGE_BYTES].zero_()
+
     with ThreadPoolExecutor(len(ranges), thread_name_prefix="slot-populate") as pool:
-        list(pool.map(lambda span: flat[span[0]:span[1]:PAGE_BYTES].zero_(), ranges))
+        list(pool.map(touch, ranges))
 
 
 def cuda_register(address: int, nbytes: int) -> bool:
