@@ -328,6 +328,7 @@ class CheckpointManager:
         it failed its check) and no other step is left, ``state``'s entries are replaced by ``fresh()``'s and its
         step, RNG and data position put back as they were before the restore."""
         self._require_bound()
+        began = time.perf_counter()
         if self.cfg.async_save and self.cfg.persist_every > 0 and forkserver.available():
             self.writer.start()  # FT: forked, it costs no import: ready long before the first persist falls due
         self.persistent.remove_incomplete()
@@ -340,6 +341,7 @@ class CheckpointManager:
         self._check_host_memory(state)  # FT: exit 2 at start, not a full /dev/shm mid-run
         step, before = None, rank_state(state)
         unstepped = not state["optimizer"].state
+        self.snapshots.restore_times = {"checks": time.perf_counter() - began}  # the restore line's first part
         if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
             step = restore_newest(self, state, while_copying or (lambda: None))
             if self.env.local_rank == 0 and reshard.drop_other_worlds(self.snapshots):  # the restore is over everywhere

@@ -534,7 +534,7 @@ class SnapshotStore:
         torch.cuda.current_stream(device).wait_stream(stream)
         checked = time.perf_counter()
         total = chunked.wrap64(sum(int(device_checksum(list(group))) for group in by_device(targets.values())))
-        self.restore_times = {"copy": outcome["copy"], "overlap": overlapped, "check": time.perf_counter() - checked}
+        self.restore_times.update(copy=outcome["copy"], overlap=overlapped, check=time.perf_counter() - checked)
         if total != expected:
             self.drop(slot)
             return f"checksum mismatch in {slot.data_path} (flipped or stale bytes)"
