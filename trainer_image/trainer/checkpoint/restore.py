@@ -76,8 +76,8 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
     mgr.restore_overwrote = False
     in_process = any(s.buffer is not None for s in snapshots.slots)
     began = time.perf_counter()
-    held = snapshots.discover(lambda: local_tensors(state)[1])
-    discovered = time.perf_counter() - began
+    held = snapshots.discover(lambda: _timed(snapshots.restore_times, "state dict", lambda: local_tensors(state)[1]))
+    discovered = time.perf_counter() - began - snapshots.restore_times.get("state dict", 0.0)
     holding = mgr.replicas.holdings() if mgr.replicas is not None else {}
     reports = coord.all_gather((held, holding))
     peer: list[dict[int, int]] = [{} for _ in reports]
@@ -186,9 +186,7 @@ def _from_snapshot(mgr: Any, state: dict[str, Any], step: int, while_copying: Ca
     assert slot is not None
     if tier is not None and slot.buffer is not None:
         mgr.bytes_read[tier] = mgr.bytes_read.get(tier, 0) + slot.buffer.numel()
-    flattening = time.perf_counter()
-    live, _ = flatten(state)  # an optimizer without state gets it here (the state-dict API's zero step)
-    mgr.snapshots.restore_times["state dict"] = time.perf_counter() - flattening
+    live, _ = _timed(mgr.snapshots.restore_times, "state dict", lambda: flatten(state))
     targets = {}
     for key, value in live.items():
         dst, piece = local_piece(value)
@@ -209,6 +207,16 @@ def _from_snapshot(mgr: Any, state: dict[str, Any], step: int, while_copying: Ca
     apply(state, live, slot.payload)
     mgr.snapshots.restore_times["apply"] = time.perf_counter() - applying
     return ""
+
+
+def _timed(times: dict[str, float], part: str, work: Callable[[], Any]) -> Any:
+    """``work()``, its seconds added to ``times[part]`` (the restore line's parts). The state-dict walk is one: an
+    optimizer without state gets it there (the state-dict API's zero step), the first time in a new process."""
+    began = time.perf_counter()
+    try:
+        return work()
+    finally:
+        times[part] = times.get(part, 0.0) + time.perf_counter() - began
 
 
 def _summarise(mgr: Any, step: int, tiers: list[str]) -> None:
