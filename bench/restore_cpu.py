@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import statelib  # noqa: E402
-from trainer.checkpoint import slots  # noqa: E402
+from trainer.checkpoint import snapshot_header  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
 
 statelib.MODEL = ModelConfig(name="blocks16", dim=64, n_layers=16, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=64)
@@ -73,7 +73,7 @@ def main() -> None:
             restore("in-process", mgr, seed=3)
         mgr.close()
         for _ in range(args.runs):
-            getattr(slots, "_HEADERS", {}).clear()  # a new process has read no header
+            snapshot_header._HEADERS.clear()  # a new process has read no header
             respawned = statelib.manager(directory, memory_slots=3)
             restore("new process", respawned, seed=5)
             respawned.close()

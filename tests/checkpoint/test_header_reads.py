@@ -1,4 +1,4 @@
-"""A snapshot header is unpickled once per version of its file in a process (``slots.load_header``): a restore looks
+"""A snapshot header is unpickled once per version of its file in a process (``snapshot_header.load_header``): a restore looks
 through the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's
 candidates and clean-up), and each unpickling lies on the restart's critical path."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from statelib import assert_equal, make_state, manager, pg, save_two_steps, snapshot  # noqa: F401 - pg
-from trainer.checkpoint import slots
+from trainer.checkpoint import slots, snapshot_header
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def header_loads(monkeypatch):
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(slots.torch, "load", counting)
-    monkeypatch.setattr(slots, "_HEADERS", {})  # a process of its own
+    monkeypatch.setattr(snapshot_header, "_HEADERS", {})  # a process of its own
     yield loads
 
 
@@ -57,7 +57,7 @@ def test_a_new_process_unpickles_each_header_once_in_its_restore(tmp_path, pg, h
     expected = snapshot(state)
     files = [str(slot.meta_path) for slot in mgr.snapshots.slots]
     mgr.close()
-    slots._HEADERS.clear()  # the respawned worker's process
+    snapshot_header._HEADERS.clear()  # the respawned worker's process
     respawned = manager(tmp_path, memory_slots=2)
     try:
         restored = make_state(seed=7)
@@ -71,12 +71,42 @@ def test_a_new_process_unpickles_each_header_once_in_its_restore(tmp_path, pg, h
 def test_a_replaced_or_removed_header_is_read_again(tmp_path, header_loads):
     path = tmp_path / "rank-00000.slot-0.meta"
     torch.save({"step": 1}, path)
-    assert slots.load_header(path) == {"step": 1}
-    assert slots.load_header(path) == {"step": 1} and len(header_loads) == 1
+    assert snapshot_header.load_header(path) == {"step": 1}
+    assert snapshot_header.load_header(path) == {"step": 1} and len(header_loads) == 1
     partial = tmp_path / "partial"
     torch.save({"step": 2}, partial)
     os.replace(partial, path)  # how headers are published: a new file
-    assert slots.load_header(path) == {"step": 2} and len(header_loads) == 2
+    assert snapshot_header.load_header(path) == {"step": 2} and len(header_loads) == 2
     path.unlink()
     with pytest.raises(FileNotFoundError):
-        slots.load_header(path)
+        snapshot_header.load_header(path)
+
+
+def test_a_published_header_keeps_its_tables_as_json_and_reads_back_whole(tmp_path, pg, header_loads):
+    """``snapshot_header.encode_header``: the per-tensor tables are one JSON string in the stored header (the
+    weights-only unpickler is slow on hundreds of small objects); a reader gets them back as the publisher had them.
+    A header whose tables are not JSON is ignored with a warning, and the restore goes on to the next tier."""
+    import json
+
+    mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    try:
+        state = make_state()
+        save_two_steps(mgr, state)
+        _published(mgr)
+        slot = mgr.snapshots.newest()
+        stored = torch.load(slot.meta_path, weights_only=True)
+        assert isinstance(stored["tables"], str) and "layout" not in stored and "pieces" not in stored
+        tables = json.loads(stored["tables"])
+        assert set(tables["layout"]) == set(slot.layout) and set(tables["pieces"]) == set(slot.pieces)
+        snapshot_header._HEADERS.clear()
+        read = snapshot_header.load_header(slot.meta_path)
+        assert read["layout"] == {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()}
+        assert read["step"] == 2 and read["payload"].keys() == stored["payload"].keys()
+        stored["tables"] = "{not json"
+        partial = slot.meta_path.with_name("partial")
+        torch.save(stored, partial)
+        os.replace(partial, slot.meta_path)
+        with pytest.raises(ValueError):
+            snapshot_header.load_header(slot.meta_path)
+    finally:
+        mgr.close(job_over=True)

@@ -4,7 +4,7 @@ A node's snapshot directory holds its ranks' own slots (``rank-R.slot-J``), the 
 ranks (``peer-rank-R.slot-J``) and old ranks' snapshots fetched for a reshard (``cut-rank-R.slot-J``), each a data
 file beside its ``.meta`` header. The peer tier (which replicas it holds) and the reshard (which old world sizes
 are complete here) both look through them with ``scan``. Every header file is written to a side name and renamed into
-place (a new file per version), so ``slots.load_header`` unpickles each version once per process: a restore's
+place (a new file per version), so ``snapshot_header.load_header`` unpickles each version once per process: a restore's
 several scans, and the node-local discovery before them, read each header once.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer.checkpoint.slots import SNAPSHOT_FORMAT, load_header
+from trainer.checkpoint.snapshot_header import SNAPSHOT_FORMAT, load_header
 
 PEER = "peer-"
 """The name prefix of a replica of another node's rank (the peer tier)."""

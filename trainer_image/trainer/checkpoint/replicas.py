@@ -53,6 +53,7 @@ import torch
 
 from trainer.checkpoint import headers, peerauth, reshard
 from trainer.checkpoint.slots import Slot, SnapshotStore
+from trainer.checkpoint.snapshot_header import decode_header
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +510,7 @@ class Replicator:
                     as (exchange, head, header):
                 if not head.get("ok"):
                     return f"rank {holder}'s node has no snapshot of it ({head.get('why')})", {}, 0
-                meta = torch.load(io.BytesIO(header), map_location="cpu", weights_only=True)
+                meta = decode_header(io.BytesIO(header))
                 if data:
                     nbytes = int(head["nbytes"])
                     if nbytes != meta.get("nbytes"):

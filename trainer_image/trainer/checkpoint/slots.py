@@ -37,51 +37,17 @@ from trainer.checkpoint import chunked, premap
 from trainer.checkpoint.chunked import by_device, checksum, device_checksum, memory_backed, warn_unpinned
 from trainer.checkpoint.errors import CheckpointError, CheckpointStorageError
 from trainer.checkpoint.layout import Piece, piece_record
+from trainer.checkpoint.snapshot_header import SNAPSHOT_FORMAT, SNAPSHOT_VERSION, encode_header, load_header, \
+    remember_header
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_FORMAT = "resilient-train.snapshot"
-SNAPSHOT_VERSION = 1
 SNAPSHOT_DIR_ENV = "TRAINER_SNAPSHOT_DIR"
 """Set by ``entrypoint.sh`` to a directory it creates for the job and removes when the job ends, however it ends."""
 JOB_ID_ENV = "TRAINER_JOB_ID"
 DIR_PREFIX = "resilient-train-"
 _ALIGN_BYTES = 64
 """Every tensor starts at a multiple of this many bytes inside its slot (any dtype can view it; 8-byte words)."""
-
-
-_HEADERS: dict[str, tuple[tuple[int, int, int, int], Any]] = {}
-"""Header path -> (its file's device, inode, size and mtime; the header) as last read or published here."""
-
-
-def _file_identity(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def load_header(path: Path) -> Any:
-    """The snapshot header at ``path`` (``torch.load``, weights only), unpickled once per version of the file in this
-    process (a header is replaced by a rename, never rewritten in place: a new version is another file, its inode or
-    its modification time another, ``_file_identity``). A restore looks through
-    the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's candidates
-    and its clean-up), and each unpickling of a header's layout and non-tensor state costs tens of milliseconds on
-    the restart's critical path; a header this process published is not read back at all. Raises what ``os.stat``
-    and ``torch.load`` raise. The caller must not modify what it returns."""
-    key = _file_identity(path)  # FT: before the load: a file replaced in between is read again next time
-    cached = _HEADERS.get(str(path))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    meta = torch.load(path, map_location="cpu", weights_only=True)
-    _HEADERS[str(path)] = (key, meta)
-    return meta
-
-
-def _remember_header(path: Path, meta: Any) -> None:
-    """``meta`` as the header just renamed into place at ``path`` (by this process: no need to read it back)."""
-    try:
-        _HEADERS[str(path)] = (_file_identity(path), meta)
-    except OSError:  # removed meanwhile: the next reader finds it gone
-        _HEADERS.pop(str(path), None)
 
 
 Layout = dict[str, tuple[str, int, tuple[int, ...]]]
@@ -375,10 +341,10 @@ class SnapshotStore:
                 "payload": slot.payload,
             }
             partial = slot.meta_path.with_name(slot.meta_path.name + ".partial")
-            torch.save(meta, partial)
+            torch.save(encode_header(meta), partial)
             if slot.step == step:  # not invalidated meanwhile
                 os.replace(partial, slot.meta_path)
-                _remember_header(slot.meta_path, meta)  # the next restore in this process reads it from here
+                remember_header(slot.meta_path, meta)  # the next restore in this process reads it from here
                 self.on_published(slot, step)  # the peer tier's copy (replicas.py): restaging waits for it
             else:
                 partial.unlink(missing_ok=True)
