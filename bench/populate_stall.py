@@ -11,6 +11,7 @@ The variants alternate, ``--rounds`` times each; the file is removed between rou
 Prints one JSON line per round and variant.
 
     python bench/populate_stall.py --gib 16.7 --rounds 2
+    python bench/populate_stall.py --gib 4 --rounds 3 --intra-op-threads 16   # the 2-core machine
 """
 
 from __future__ import annotations
@@ -105,7 +106,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iter-ms", type=float, default=50.0)
     parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--intra-op-threads", type=int, default=0,
+                        help="torch.set_num_threads first (0: torch's default, one per core): a worker's pool on a "
+                             "host with more cores than this one")
     args = parser.parse_args()
+    if args.intra_op_threads:
+        torch.set_num_threads(args.intra_op_threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     operands, matmuls = calibrate(args.iter_ms, device)
     directory = Path(tempfile.mkdtemp(prefix="populate-stall-", dir=args.dir))
