@@ -45,9 +45,12 @@ def test_respawned_worker_resumes_from_the_node_local_tier(tmp_path, pg, caplog)
     respawned = manager(tmp_path)
     try:
         restored = make_state(seed=7)
+        steps, real_step = [], restored["optimizer"].step
+        restored["optimizer"].step = lambda *a, **kw: steps.append(1) or real_step(*a, **kw)
         with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
             assert respawned.load_latest(restored) == 2
         assert respawned.restored_from == "node-local" and "no checkpoint file read" in caplog.text
+        assert steps == []  # the optimizer's state made directly (init_state), not by the state-dict API's step
         assert committed_steps(respawned.dir) == []
         assert_equal(snapshot(restored), expected)
         assert restored["progress"].step == 2 and restored["dataloader"].position == 4

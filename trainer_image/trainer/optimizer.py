@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_scalar_dtype
 
 from trainer.config import ConfigError, OptimConfig
 from trainer.parallel import triton_missing
@@ -42,6 +43,32 @@ class LocalShardAdamW(torch.optim.AdamW):
         self.triton, self.handed = triton, handed
         if triton and (kwargs.get("amsgrad") or kwargs.get("maximize")):
             raise ValueError("optim.implementation=triton has no amsgrad or maximize")
+
+    @torch.no_grad()
+    def init_state(self) -> bool:
+        """Give every parameter the state its first step would create (``step`` 0, zero moments), without a step;
+        False (nothing done) when there is state already. A restore reads the state's tensors through the state-dict
+        API, which otherwise creates them with a step of zero gradients at lr 0 (``_init_optim_state``): gradients
+        allocated and zeroed, a kernel per parameter, and on the first restart of a process the kernels for that
+        step loaded (BENCHMARKS.md, "Recovery per layer": the restore's ``state dict`` part)."""
+        if self.state:
+            return False
+        for group in self.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable")) and not self.triton
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                state = self.state[p]
+                if on_device:  # as AdamW's first step makes them
+                    state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=bool(group.get("fused"))),
+                                                device=_local(p).device)
+                else:
+                    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["exp_avg"] = _state_like(p)
+                state["exp_avg_sq"] = _state_like(p)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = _state_like(p)
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.handed is not None:

@@ -343,14 +343,17 @@ class CheckpointManager:
         unstepped = not state["optimizer"].state
         self.snapshots.restore_times = {"checks": time.perf_counter() - began}  # the restore line's first part
         if self.cfg.resume:  # FT: each rank from its nearest tier that holds the newest step every rank can reach
+            if unstepped and callable(init := getattr(state["optimizer"], "init_state", None)):
+                init()  # the state's tensors made directly, not by the state-dict API's zero step
             step = restore_newest(self, state, while_copying or (lambda: None))
             if self.env.local_rank == 0 and reshard.drop_other_worlds(self.snapshots):  # the restore is over everywhere
                 log.info("removed this node's replicas of another world size (the job changed size)")
         if step is None and self.restore_overwrote:
             self._start_over(state, fresh, before)
         elif step is None and unstepped:
-            # The tiers were looked at through the state-dict API, which gives an optimizer without state a zero-
-            # gradient step at lr 0: AdamW's step count 1, whose bias correction the first real step would then use.
+            # The tiers were looked at with the optimizer's state made ahead (``init_state``; for another optimizer,
+            # the state-dict API's zero-gradient step at lr 0, whose step count 1 the first real step's bias correction
+            # would use): a fresh start begins without it, as a first step makes it.
             state["optimizer"].state.clear()
         if step is None and self.cfg.init_from:
             self.persistent.warm_start(state)
