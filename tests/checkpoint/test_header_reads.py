@@ -82,31 +82,41 @@ def test_a_replaced_or_removed_header_is_read_again(tmp_path, header_loads):
         snapshot_header.load_header(path)
 
 
-def test_a_published_header_keeps_its_tables_as_json_and_reads_back_whole(tmp_path, pg, header_loads):
+@pytest.mark.parametrize("tables", ["{not json", '{"pieces": {}}'])
+def test_a_published_header_keeps_its_tables_as_json_and_reads_back_whole(tmp_path, pg, header_loads, caplog,
+                                                                          tables):
     """``snapshot_header.encode_header``: the per-tensor tables are one JSON string in the stored header (the
     weights-only unpickler is slow on hundreds of small objects); a reader gets them back as the publisher had them.
-    A header whose tables are not JSON is ignored with a warning, and the restore goes on to the next tier."""
+    A header whose tables are not JSON, or lack the layout, is ignored with a warning by a respawned worker, which
+    restores the snapshot before it."""
     import json
+    import logging
 
     mgr = manager(tmp_path, persist_every=0, memory_slots=2)
+    state = make_state()
+    at_step_1 = save_two_steps(mgr, state)
+    _published(mgr)
+    slot = mgr.snapshots.newest()
+    stored = torch.load(slot.meta_path, weights_only=True)
+    assert isinstance(stored["tables"], str) and "layout" not in stored and "pieces" not in stored
+    written = json.loads(stored["tables"])
+    assert set(written["layout"]) == set(slot.layout) and set(written["pieces"]) == set(slot.pieces)
+    snapshot_header._HEADERS.clear()
+    read = snapshot_header.load_header(slot.meta_path)
+    assert read["layout"] == {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()}
+    assert read["step"] == 2 and read["payload"].keys() == stored["payload"].keys()
+    mgr.close()
+    stored["tables"] = tables
+    partial = slot.meta_path.with_name("partial")
+    torch.save(stored, partial)
+    os.replace(partial, slot.meta_path)
+    snapshot_header._HEADERS.clear()  # the respawned worker's process
+    respawned = manager(tmp_path, memory_slots=2)
     try:
-        state = make_state()
-        save_two_steps(mgr, state)
-        _published(mgr)
-        slot = mgr.snapshots.newest()
-        stored = torch.load(slot.meta_path, weights_only=True)
-        assert isinstance(stored["tables"], str) and "layout" not in stored and "pieces" not in stored
-        tables = json.loads(stored["tables"])
-        assert set(tables["layout"]) == set(slot.layout) and set(tables["pieces"]) == set(slot.pieces)
-        snapshot_header._HEADERS.clear()
-        read = snapshot_header.load_header(slot.meta_path)
-        assert read["layout"] == {k: [d, o, list(s)] for k, (d, o, s) in slot.layout.items()}
-        assert read["step"] == 2 and read["payload"].keys() == stored["payload"].keys()
-        stored["tables"] = "{not json"
-        partial = slot.meta_path.with_name("partial")
-        torch.save(stored, partial)
-        os.replace(partial, slot.meta_path)
-        with pytest.raises(ValueError):
-            snapshot_header.load_header(slot.meta_path)
+        restored = make_state(seed=7)
+        with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+            assert respawned.load_latest(restored) == 1
+        assert_equal(snapshot(restored), at_step_1)
+        assert f"ignoring node-local snapshot {slot.meta_path}" in caplog.text
     finally:
-        mgr.close(job_over=True)
+        respawned.close(job_over=True)

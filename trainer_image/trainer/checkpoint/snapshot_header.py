@@ -33,13 +33,12 @@ def _file_identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def load_header(path: Path) -> Any:
-    """The snapshot header at ``path`` (``decode_header``), read once per version of the file in this
-    process (a header is replaced by a rename, never rewritten in place: a new version is another file, its inode or
-    its modification time another, ``_file_identity``). A restore looks through
-    the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's candidates
-    and its clean-up), and each unpickling of a header's layout and non-tensor state costs tens of milliseconds on
-    the restart's critical path; a header this process published is not read back at all. Raises what ``os.stat``
-    and ``torch.load`` raise. The caller must not modify what it returns."""
+    """The snapshot header at ``path`` (``decode_header``), read once per version of the file in this process (a
+    header is replaced by a rename, never rewritten in place: a new version is another file, its inode or its
+    modification time another, ``_file_identity``). A restore looks through the node's headers several times (the
+    node-local discovery, the peer tier's holdings, the reshard's candidates and its clean-up), each read on the
+    restart's critical path; a header this process published is not read back at all. Raises what ``os.stat`` and
+    ``decode_header`` raise. The caller must not modify what it returns."""
     key = _file_identity(path)  # FT: before the load: a file replaced in between is read again next time
     cached = _HEADERS.get(str(path))
     if cached is not None and cached[0] == key:
