@@ -513,8 +513,9 @@ def test_population_runs_on_its_own_threads_only_whatever_the_intra_op_pool(monk
         torch.set_num_threads(threads)
         (directory / "fresh.data").unlink(missing_ok=True)
         directory.rmdir()
-    # the watcher, the populating threads and nothing else (a fanned-out call: +15 per populating thread)
-    assert peak[0] - before <= 1 + 2, (before, peak[0])
+    # the watcher and the 2 populating threads, with room for 5 more from elsewhere in this process (a daemon thread
+    # of an earlier test); a fanned-out call adds 15 per populating thread
+    assert peak[0] - before <= 1 + 2 + 5, (before, peak[0])
 
 
 def test_a_drain_part_is_half_a_step_unless_the_next_snapshot_needs_more():
