@@ -77,7 +77,8 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
     in_process = any(s.buffer is not None for s in snapshots.slots)
     began = time.perf_counter()
     held = snapshots.discover(lambda: _timed(snapshots.restore_times, "state dict", lambda: local_tensors(state)[1]))
-    discovered = time.perf_counter() - began - snapshots.restore_times.get("state dict", 0.0)
+    walked = snapshots.restore_times.get("state dict", 0.0)  # the discovery's own state-dict walk, counted apart
+    discovered = time.perf_counter() - began - walked
     holding = mgr.replicas.holdings() if mgr.replicas is not None else {}
     reports = coord.all_gather((held, holding))
     peer: list[dict[int, int]] = [{} for _ in reports]
@@ -107,7 +108,7 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
             continue
         sources = found.sources(step)
         mine = sources[mgr.rank]
-        agreed = time.perf_counter() - began - discovered  # the tiers' listings, gathered, and the step chosen
+        agreed = time.perf_counter() - began - walked - discovered  # the tiers' listings, gathered, the step chosen
         if mine == OWN:
             problem = _from_snapshot(mgr, state, step, while_copying, MEMORY if in_process else NODE_LOCAL)
         elif mine == PEER:
