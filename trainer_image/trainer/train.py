@@ -253,9 +253,11 @@ def _warmup(res: Resources, model: Callable[[], nn.Module]) -> Any:
     def warm_up() -> None:
         if res.warm:  # a second snapshot tried after the first failed its check: warm already (on every rank)
             return
-        # FT: a standby's worker whose slots the standby page-locked ahead: the copy is short, the kernels loaded
+        # FT: a standby's worker whose slots the standby page-locked ahead: the kernels are loaded, the copy usually
+        # short (the newest snapshot's slot may not be among those locked yet: a restart soon after the last one)
         if warmup.STANDBY_WARMED and sum(premap.TAKEN):
-            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked its snapshot")
+            log.info("warm-up skipped: this worker's standby prewarmed it and page-locked %.1f GiB of its node-local "
+                     "snapshots ahead", sum(premap.TAKEN) / 2**30)
             return
         started = time.perf_counter()
         warm_up_step(model(), cfg.train.batch_size, cfg.data.seq_len, device)
