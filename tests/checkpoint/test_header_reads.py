@@ -82,13 +82,13 @@ def test_a_replaced_or_removed_header_is_read_again(tmp_path, header_loads):
         snapshot_header.load_header(path)
 
 
-@pytest.mark.parametrize("tables", ["{not json", '{"pieces": {}}'])
+@pytest.mark.parametrize("tables", ["{not json", '{"pieces": {}}', '{"layout": {"model/w": [1]}, "pieces": {}}'])
 def test_a_published_header_keeps_its_tables_as_json_and_reads_back_whole(tmp_path, pg, header_loads, caplog,
                                                                           tables):
     """``snapshot_header.encode_header``: the per-tensor tables are one JSON string in the stored header (the
     weights-only unpickler is slow on hundreds of small objects); a reader gets them back as the publisher had them.
-    A header whose tables are not JSON, or lack the layout, is ignored with a warning by a respawned worker, which
-    restores the snapshot before it."""
+    A header whose tables are not JSON, lack the layout or hold a malformed entry is ignored with a warning by a
+    respawned worker (``decode_header`` checks them for every reader), which restores the snapshot before it."""
     import json
     import logging
 

@@ -414,10 +414,7 @@ class SnapshotStore:
         for key, value, what in checks:
             if meta.get(key) != value:
                 return f"written by {what} ({key} {str(meta.get(key))[:16]} != {str(value)[:16]})", {}
-        try:
-            layout = {k: (d, o, tuple(s)) for k, (d, o, s) in meta["layout"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError):  # FT: a header of this format with a mangled table
-            return "its layout table is unreadable", {}
+        layout = {k: (d, o, tuple(s)) for k, (d, o, s) in meta["layout"].items()}  # checked by decode_header
         if layout != expected or meta.get("nbytes", 0) < nbytes:
             return "its tensors differ from this model's", {}
         if not slot.data_path.is_file() or slot.data_path.stat().st_size != meta["nbytes"]:

@@ -51,8 +51,8 @@ def load_header(path: Path) -> Any:
 def encode_header(meta: dict[str, Any]) -> dict[str, Any]:
     """A snapshot header as it is stored: its per-tensor tables (``HEADER_TABLES``: a few entries for each of the
     state's ~600 tensors) as one JSON string, the rest (the non-tensor state, with RNG tensors) for ``torch.save``.
-    ``torch.load``'s weights-only unpickler is Python code: a header with its tables as objects took ~37 ms to read
-    on the project's CPU, ~3 ms with them as JSON (``bench/restore_cpu.py`` measures a restore's share)."""
+    ``torch.load``'s weights-only unpickler is Python code, slow on the tables' thousands of small objects; ``json``
+    is not (``bench/restore_cpu.py``'s ``header_read`` line; BENCHMARKS.md, "The restore's host time")."""
     tables = {key: meta[key] for key in HEADER_TABLES if key in meta}
     return {**{k: v for k, v in meta.items() if k not in HEADER_TABLES},
             "tables": json.dumps(tables, separators=(",", ":"))}
@@ -60,14 +60,34 @@ def encode_header(meta: dict[str, Any]) -> dict[str, Any]:
 
 def decode_header(source: Any) -> Any:
     """The header ``encode_header`` stored, from a path or a file object (``torch.load``, weights only; the tables
-    parsed back in place). Raises what ``torch.load`` and ``json.loads`` raise."""
+    parsed back in place and checked). Raises what ``torch.load`` and ``json.loads`` raise, and ``ValueError`` for a
+    snapshot header whose tables are missing or malformed."""
     meta = torch.load(source, map_location="cpu", weights_only=True)
-    if isinstance(meta, dict) and isinstance(meta.get("tables"), str):
+    if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT:
+        return meta  # not a snapshot header: its reader says so
+    if isinstance(meta.get("tables"), str):
         tables = json.loads(meta.pop("tables"))
         if not isinstance(tables, dict):
             raise ValueError("a snapshot header's tables are not a JSON object")
         meta.update(tables)
+    _check_tables(meta)
     return meta
+
+
+def _check_tables(meta: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``meta`` has both tables in the shapes ``encode_header`` writes: every reader (the
+    discovery, the peer tier, the reshard) unpacks them without looking further."""
+    layout, pieces = (meta.get(key) for key in HEADER_TABLES)
+    if not isinstance(layout, dict) or not isinstance(pieces, dict):
+        raise ValueError("a snapshot header's tables lack its layout or its pieces")
+    for entry in layout.values():  # [dtype name, byte offset, shape]
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], int) and isinstance(entry[2], list)):
+            raise ValueError("a snapshot header's layout has a malformed entry")
+    for entry in pieces.values():  # [global shape, offset, shape, sharded]
+        if not (isinstance(entry, list) and len(entry) == 4 and all(isinstance(e, list) for e in entry[:3])
+                and isinstance(entry[3], bool)):
+            raise ValueError("a snapshot header's pieces have a malformed entry")
 
 
 def remember_header(path: Path, meta: Any) -> None:
