@@ -182,21 +182,19 @@ PAGE_BYTES = 4096
 SERIAL_PAGES = 8192
 """Pages one torch call of ``populate`` touches: below ATen's grain size (32,768 elements), so the call runs on the
 thread that makes it, not on the intra-op pool. Whole ranges in one call each fanned out over an OpenMP team of every
-CPU: on a 16-CPU host 8 populating threads put ~130 threads on the run queue (mostly in the kernel's fault path) and
-stalled the training loop ~0.45 s as each slot's population ended (BENCHMARKS.md, "Snapshot cost")."""
+CPU (8 populating threads x 16 on a 16-CPU host), which crowded the run queue and stalled the training loop as each
+slot's population ended (BENCHMARKS.md, "Snapshot cost")."""
 
 
 def populate_threads(most: int = POPULATE_THREADS) -> int:
     """How many threads ``populate`` uses in this process (``POPULATE_THREADS``)."""
+    from trainer.parallel import DistEnv  # the launcher's environment; imported here, where a worker has it already
+
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 2
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return max(1, min(most, cpus // (2 * local)))
+    return max(1, min(most, cpus // (2 * max(1, DistEnv.from_environ().local_world_size))))
 
 
 def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
