@@ -127,10 +127,8 @@ def restore_newest(mgr: Any, state: dict[str, Any], while_copying: Callable[[], 
         if not any(problems):
             if mine == OWN:
                 mgr.restored_from = MEMORY if in_process else NODE_LOCAL
-                times = {**{k: v for k, v in snapshots.restore_times.items() if k == "checks"},
-                         "discover": discovered, "agree": agreed,
-                         **{k: v for k, v in snapshots.restore_times.items() if k != "checks"}}
-                snapshots.restore_times = {}
+                parts, snapshots.restore_times = snapshots.restore_times, {}
+                times = {"checks": parts.pop("checks", 0.0), "discover": discovered, "agree": agreed, **parts}
                 log.info("restored step %d from the %s tier (%s); %s", step, mgr.restored_from,
                          "in-process restart: no file read" if in_process else f"{snapshots.dir}: no checkpoint file read",
                          ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
