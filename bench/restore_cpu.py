@@ -6,7 +6,9 @@ so what it measures is the restore's Python and unpickling work, not a copy. Two
 - ``new process``: a second manager, with no header read yet in this process, restores what the first one
   published (an in-job restart's worker).
 
-Prints one JSON line per case: the median and each run's seconds, and the snapshot headers unpickled per restore.
+Prints one JSON line per case: the median and each run's seconds, and the snapshot headers unpickled per restore;
+then ``header read``: one published header read (``snapshot_header.decode_header``, its tables as JSON) against the
+same header saved with its tables as objects and read weights-only (format 1), the median of ``--runs`` x 5 reads.
 
     .venv/bin/python bench/restore_cpu.py --runs 5
 """
@@ -71,6 +73,7 @@ def main() -> None:
             mgr.unbind()  # an in-process restart: the same manager, a new attempt
             mgr.bind()
             restore("in-process", mgr, seed=3)
+        header_read = _header_reads(mgr.snapshots.newest().meta_path, directory, args.runs * 5)
         mgr.close()
         for _ in range(args.runs):
             snapshot_header._HEADERS.clear()  # a new process has read no header
@@ -81,7 +84,24 @@ def main() -> None:
         seconds = [s for s, _ in runs]
         print(json.dumps({"figure": "restore_cpu", "case": case, "median_s": round(statistics.median(seconds), 4),
                           "runs_s": [round(s, 4) for s in seconds], "headers_unpickled": [n for _, n in runs]}))
+    print(json.dumps({"figure": "restore_cpu", "case": "header read", **header_read}))
     dist.destroy_process_group()
+
+
+def _header_reads(path: Path, directory: Path, runs: int) -> dict[str, float]:
+    """Median seconds to read the header at ``path`` as stored, and saved with its tables as objects."""
+    meta = snapshot_header.decode_header(path)
+    objects = directory / "objects.meta-bench"
+    torch.save(meta, objects)
+    times: dict[str, list[float]] = {"json_tables_s": [], "objects_s": []}
+    for _ in range(runs):
+        for key, read in (("json_tables_s", lambda: snapshot_header.decode_header(path)),
+                          ("objects_s", lambda: torch.load(objects, map_location="cpu", weights_only=True))):
+            began = time.perf_counter()
+            read()
+            times[key].append(time.perf_counter() - began)
+    objects.unlink()
+    return {key: round(statistics.median(values), 5) for key, values in times.items()}
 
 
 if __name__ == "__main__":
