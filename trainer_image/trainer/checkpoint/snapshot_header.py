@@ -52,7 +52,7 @@ def encode_header(meta: dict[str, Any]) -> dict[str, Any]:
     """A snapshot header as it is stored: its per-tensor tables (``HEADER_TABLES``: a few entries for each of the
     state's ~600 tensors) as one JSON string, the rest (the non-tensor state, with RNG tensors) for ``torch.save``.
     ``torch.load``'s weights-only unpickler is Python code, slow on the tables' thousands of small objects; ``json``
-    is not (``bench/restore_cpu.py``'s ``header_read`` line; BENCHMARKS.md, "The restore's host time")."""
+    is not (``bench/restore_cpu.py``'s ``header read`` line; BENCHMARKS.md, "Recovery per layer")."""
     tables = {key: meta[key] for key in HEADER_TABLES if key in meta}
     return {**{k: v for k, v in meta.items() if k not in HEADER_TABLES},
             "tables": json.dumps(tables, separators=(",", ":"))}
