@@ -8,7 +8,12 @@ wait for a dead worker's memory):
 - ``register_s`` / ``unregister_s``: ``cudaHostRegister`` of the populated mapping, in one call and in
   ``pin_chunk_mib`` pieces; ``register_fresh_s``: the same on a file whose pages are not yet faulted in;
 - ``release_s``: a child holding ``--device-gib`` on the device and (or not) ``--slots`` page-locked slots is
-  SIGKILLed; the seconds until NVML shows its device memory back, with and without the slots.
+  SIGKILLed; the seconds until NVML shows its device memory back, with and without the slots;
+- ``release_variant_s`` (``--variants``): the same release with the slots page-locked, for each named variant:
+  ``plain``; ``nice``: the child imports torch, makes its CUDA context and page-locks in a thread at nice 19, as a
+  warm standby does before it becomes the worker (``trainer/startup/standby.py``); ``copin``: another live process
+  has the same slot files page-locked too, as the next standby has; ``load``: one busy process per CPU at the normal
+  priority while the child dies; and ``+`` combinations (``nice+load``).
 Also the machine's transparent huge page settings for shared memory (``thp``).
 """
 
@@ -41,9 +46,11 @@ def thp() -> None:
     emit("thp", **fields, dev_shm=mounts[0] if mounts else None)
 
 
-def new_slot(path: Path, nbytes: int, populate: bool):  # -> torch.Tensor
+def new_slot(path: Path, nbytes: int, populate: bool, reuse: bool = False):  # -> torch.Tensor
     from trainer.checkpoint.slots import map_file
 
+    if reuse and path.exists() and path.stat().st_size == nbytes:
+        return map_file(path, nbytes)  # populated by an earlier round: its pages are still in memory
     path.unlink(missing_ok=True)
     if populate:
         return map_file(path, nbytes, allocate=True)  # fallocate + chunked.populate on a memory file system
@@ -90,20 +97,32 @@ def pinning(directory: Path, gib: float, piece_mib: int) -> None:
     path.unlink(missing_ok=True)
 
 
-def holder(directory: Path, gib: float, slots: int, device_gib: float) -> None:
-    """The child: device memory and page-locked slots held, then a line on stdout, then it waits to be killed."""
-    import torch
+def holder(directory: Path, gib: float, slots: int, device_gib: float, nice: int = 0) -> None:
+    """The child: device memory and page-locked slots held, then a line on stdout, then it waits to be killed. With
+    ``nice``, the imports, the CUDA context and the page-locking happen in a thread at that nice value (the standby's
+    warm-up thread), the main thread staying at the normal one."""
+    def hold(out: list) -> None:
+        if nice:
+            os.nice(nice)  # this thread only (Linux); the threads it starts inherit it
+        import torch
 
-    from trainer.checkpoint import chunked
+        from trainer.checkpoint import chunked
 
-    held = torch.empty(int(device_gib * 2**30), dtype=torch.uint8, device="cuda")
-    held.fill_(1)
-    buffers = []
-    for index in range(slots):
-        buffer = new_slot(directory / f"held-{index}.data", int(gib * 2**30), populate=True)
-        assert chunked.register_in_pieces(buffer, 1 << 30, [])
-        buffers.append(buffer)
-    torch.cuda.synchronize()
+        held = torch.empty(int(device_gib * 2**30), dtype=torch.uint8, device="cuda")
+        held.fill_(1)
+        for index in range(slots):
+            buffer = new_slot(directory / f"held-{index}.data", int(gib * 2**30), populate=True, reuse=True)
+            assert chunked.register_in_pieces(buffer, 1 << 30, [])
+            out.append(buffer)
+        torch.cuda.synchronize()
+        out.append(held)
+
+    import threading
+
+    kept: list = []
+    thread = threading.Thread(target=hold, args=(kept,))
+    thread.start()
+    thread.join()
     print("held", flush=True)
     time.sleep(3600)
 
@@ -114,15 +133,28 @@ def used_bytes() -> int:
     return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
 
 
-def release(directory: Path, gib: float, slots: int, device_gib: float) -> None:
+def spawn_holder(directory: Path, gib: float, slots: int, device_gib: float, nice: int = 0) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, __file__, "--hold", "--dir", str(directory), "--gib", str(gib),
+                              "--slots", str(slots), "--device-gib", str(device_gib), "--hold-nice", str(nice)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    return child
+
+
+def release(directory: Path, gib: float, slots: int, device_gib: float, variant: str = "") -> None:
     import pynvml
 
     pynvml.nvmlInit()
+    parts = set(variant.split("+")) if variant else set()
+    others: list[subprocess.Popen] = []
+    if "copin" in parts:  # the next standby: the same files page-locked, a small context of its own
+        others.append(spawn_holder(directory, gib, slots, 0.1))
     before = used_bytes()
-    child = subprocess.Popen([sys.executable, __file__, "--hold", "--dir", str(directory), "--gib", str(gib),
-                              "--slots", str(slots), "--device-gib", str(device_gib)], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    child = spawn_holder(directory, gib, slots, device_gib, nice=19 if "nice" in parts else 0)
     holding = used_bytes()
+    if "load" in parts:
+        others += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        time.sleep(0.5)
     killed = time.perf_counter()
     os.kill(child.pid, signal.SIGKILL)
     reaped = None
@@ -132,11 +164,18 @@ def release(directory: Path, gib: float, slots: int, device_gib: float) -> None:
         time.sleep(0.005)
     back = time.perf_counter() - killed
     child.wait()
+    for other in others:
+        other.kill()
+        other.wait()
     reaped = reaped if reaped is not None else back
-    emit("release_s", value=round(back, 3), reaped_s=round(reaped, 3), slots=slots, slot_gib=gib,
-         device_gib=device_gib, held_gib=round((holding - before) / 2**30, 2))
-    for index in range(slots):
-        (directory / f"held-{index}.data").unlink(missing_ok=True)
+    fields = dict(value=round(back, 3), reaped_s=round(reaped, 3), slots=slots, slot_gib=gib, device_gib=device_gib,
+                  held_gib=round((holding - before) / 2**30, 2))
+    if variant:
+        emit("release_variant_s", variant=variant, **fields)
+    else:
+        emit("release_s", **fields)
+        for index in range(slots):
+            (directory / f"held-{index}.data").unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -146,13 +185,23 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=3)
     parser.add_argument("--device-gib", type=float, default=60.0)
     parser.add_argument("--piece-mib", type=int, default=1024)
+    parser.add_argument("--variants", default="", help="comma-separated release variants (the docstring's), "
+                        "each run twice in turn, instead of the other figures")
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hold-nice", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.hold:
-        holder(args.dir, args.gib, args.slots, args.device_gib)
+        holder(args.dir, args.gib, args.slots, args.device_gib, args.hold_nice)
         return
     thp()
+    if args.variants:
+        variants = args.variants.split(",")
+        for variant in variants + variants:
+            release(args.dir, args.gib, args.slots, args.device_gib, variant)
+        for index in range(args.slots):
+            (args.dir / f"held-{index}.data").unlink(missing_ok=True)
+        return
     pinning(args.dir, args.gib, args.piece_mib)
     for slots in (0, args.slots, 0, args.slots):
         release(args.dir, args.gib, slots, args.device_gib)

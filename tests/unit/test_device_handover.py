@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -55,6 +56,54 @@ def test_a_takeover_waits_while_the_dead_workers_memory_is_held_and_goes_on_when
     finally:
         stand_in.proc.kill()
         stand_in.proc.wait()
+
+
+def test_the_wait_line_names_who_held_the_device_when_it_began(caplog):
+    stand_in = HeldBy(holder(), 64 * GIB)
+    seen = []
+    deadline = time.monotonic() + 10
+    while device.process_state(stand_in.proc.pid) != "sleeping" and time.monotonic() < deadline:
+        time.sleep(0.02)  # past its interpreter's start
+
+    def holders() -> str:
+        seen.append(device.process_state(stand_in.proc.pid))
+        return f"held by pid {stand_in.proc.pid} (64.0 GiB, {seen[-1]})"
+
+    try:
+        threading.Timer(0.3, stand_in.proc.kill).start()
+        with caplog.at_level(logging.WARNING, logger="trainer.resiliency"):
+            device.wait_for_memory(62 * GIB, stand_in.free, bound_s=20, label="cuda:0", why="released", holders=holders)
+    finally:
+        stand_in.proc.kill()
+        stand_in.proc.wait()
+    assert seen == ["sleeping"]  # asked once, when the wait began
+    line = next(r.getMessage() for r in caplog.records if "waited" in r.getMessage())
+    assert f"(released; at first held by pid {stand_in.proc.pid} (64.0 GiB, sleeping))" in line
+
+
+def test_a_holders_state_reads_from_proc_through_its_death():
+    proc = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                             "threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while device.process_state(proc.pid) != "sleeping, 2 threads" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert device.process_state(proc.pid) == "sleeping, 2 threads"
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not device.process_state(proc.pid).startswith("stopped") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert device.process_state(proc.pid) == "stopped, 2 threads"
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while device.process_state(proc.pid) != "exited" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert device.process_state(proc.pid) == "exited"  # a zombie: its parent has not reaped it yet
+    finally:
+        proc.kill()
+        proc.wait()
+    assert device.process_state(proc.pid) == "not here"
+    assert device.process_state(os.getpid()) == "this process"
 
 
 def test_a_device_that_has_the_memory_is_not_waited_for(caplog):

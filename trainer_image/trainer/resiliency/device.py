@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,14 +151,18 @@ class DeviceHeld(RuntimeError):
 
 
 def wait_for_memory(need: int, free: Callable[[], int], held_by_me: int = 0, bound_s: float = 120.0,
-                    label: str = "the device", why: str = "") -> float:
+                    label: str = "the device", why: str = "", holders: Callable[[], str] | None = None) -> float:
     """Wait until ``free() + held_by_me`` covers ``need`` bytes; returns the seconds waited. Says so in one line
-    when it waited; raises ``DeviceHeld`` (its message one line) when ``bound_s`` passed first."""
+    when it waited, with who held the device when the wait began (``holders``, e.g. ``device_holders``); raises
+    ``DeviceHeld`` (its message one line) when ``bound_s`` passed first."""
     began = time.monotonic()
     available = free() + held_by_me
     if available >= need:
         return 0.0
     first = available
+    held = holders() if holders is not None else ""
+    if held:
+        why = f"{why or 'held by another process'}; at first {held}"
     while time.monotonic() - began < bound_s:
         time.sleep(POLL_S)
         available = free() + held_by_me
@@ -190,7 +195,51 @@ def wait_for_predecessor(local_rank: int, bound_s: float, why: str, at_most: int
     import torch
 
     mine = torch.cuda.memory_reserved(local_rank) if torch.cuda.is_initialized() else 0
-    return wait_for_memory(need, free, held_by_me=mine, bound_s=bound_s, label=f"cuda:{local_rank}", why=why)
+    return wait_for_memory(need, free, held_by_me=mine, bound_s=bound_s, label=f"cuda:{local_rank}", why=why,
+                           holders=lambda: device_holders(local_rank))
+
+
+def device_holders(index: int) -> str:
+    """The processes NVML lists on CUDA device ``index`` with the memory each holds and its state here (``exiting``:
+    killed, its memory still being released; ``exited``: a zombie its parent has not reaped; ``not here``: gone, or
+    in another pid namespace), largest first: whom a takeover waits for. Empty where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        listed = pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle(pynvml, index))
+    except Exception as exc:  # noqa: BLE001 - no NVML, no permission: the line goes without it
+        log.debug("NVML cannot list device %d's processes: %s", index, exc)
+        return ""
+    if not listed:
+        return "NVML listed no process on it"
+    parts = []
+    for proc in sorted(listed, key=lambda p: -(p.usedGpuMemory or 0)):
+        used = f"{proc.usedGpuMemory / GIB:.1f} GiB" if proc.usedGpuMemory else "memory not reported"
+        parts.append(f"pid {proc.pid} ({used}, {process_state(proc.pid)})")
+    return "held by " + ", ".join(parts)
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in the kernel", "Z": "exited", "X": "exited", "T": "stopped",
+           "t": "stopped"}
+
+
+def process_state(pid: int) -> str:
+    """A few words for ``pid``'s state in ``/proc``: this process; exiting (a SIGKILL pending); exited (a zombie:
+    its leader is gone, though its other threads may still be tearing down, counted); or its scheduler state."""
+    if pid == os.getpid():
+        return "this process"
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+    except (OSError, ValueError):
+        return "not here"
+    state = stat[stat.rindex(")") + 2:].split()[0]
+    pending = int(status.get("SigPnd", "0").strip() or "0", 16) | int(status.get("ShdPnd", "0").strip() or "0", 16)
+    word = "exiting" if state not in "ZX" and pending & (1 << (signal.SIGKILL - 1)) else _STATES.get(state, state)
+    threads = int(status.get("Threads", "1").strip() or "1")
+    return f"{word}, {threads} threads" if threads > 1 else word
 
 
 # --- children -------------------------------------------------------------------------------------------------
