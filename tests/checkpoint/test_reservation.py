@@ -166,3 +166,31 @@ def test_a_failed_page_locking_stage_does_not_free_a_slot_still_being_populated(
     assert "snapshot slots not prepared ahead of the first save: no CUDA device" in caplog.text
     assert all(slot.ready.is_set() and slot.buffer is not None for slot in snapshots.slots)
     snapshots.close(remove=True)
+
+
+def test_a_restarts_mapped_slots_are_page_locked_least_left_first(tmp_path, monkeypatch):
+    """A takeover: the standby page-locked some chunks of each slot (the restore all of the newest one's). The slot
+    with the least left to lock is made ready first, so the first snapshot after the restart, which takes the first
+    slot ready, is not deferred behind a slot the standby had hardly begun."""
+    from trainer.checkpoint import chunked
+    from trainer.checkpoint.slots import Slot, map_file
+
+    chunk = NBYTES // 4
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", chunk)
+    snapshots = store(tmp_path)
+    snapshots.dir.mkdir(parents=True)
+    for slot, step, locked in zip(snapshots.slots, (10, 30, 20), (1, 4, 3)):  # slot 1: the newest, restored from
+        slot.buffer, slot.step, slot.pin_piece = map_file(slot.data_path, NBYTES, allocate=True), step, chunk
+        slot.chunk_pins = [slot.buffer.data_ptr() + i * chunk for i in range(locked)]
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    reserved, real_reserve = [], Slot.reserve
+    monkeypatch.setattr(Slot, "reserve", lambda self, nbytes, pin, **kw: (reserved.append(self.index),
+                                                                          real_reserve(self, nbytes, False, **kw)))
+    reservation = Reservation(snapshots)
+    reservation.prepare(NBYTES, torch.device("cuda", 0))
+    reservation.start_prepare()
+    reservation.join()
+    assert reserved == [1, 2, 0]  # 0, 1 and 3 chunks left to lock
+    for slot in snapshots.slots:
+        slot.chunk_pins = []
+    snapshots.close(remove=True)

@@ -27,9 +27,22 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import chunked
 from trainer.checkpoint.slots import Slot, SnapshotStore, map_file
 
 log = logging.getLogger(__name__)
+
+
+def left_to_lock(slot: Slot, nbytes: int) -> int:
+    """Bytes of ``slot`` still to page-lock before it is ready: all of a slot not mapped yet, none of one pinned, the
+    rest beyond the chunks a restore or the standby registered (``Slot.chunk_pins``: kept where the slot's pieces
+    are those chunks, registered again otherwise)."""
+    if slot.buffer is None or slot.buffer.numel() < nbytes:
+        return nbytes
+    if slot.pinned or slot.pin_refused:
+        return 0
+    kept = len(slot.chunk_pins) * chunked.CHUNK_BYTES if slot.pin_piece == chunked.CHUNK_BYTES else 0
+    return max(0, slot.buffer.numel() - kept)
 
 
 class Reservation:
@@ -88,8 +101,9 @@ class Reservation:
         pin = device.type == "cuda"
         self.defer_unready = pin if self.defer_unready is None else self.defer_unready
         # FT: a slot mapped already (a restart's: page-locked ahead by the standby, or the dead worker's) is made ready
-        # first, in moments; one still being populated would hold it for seconds behind it
-        order = sorted(self._order(), key=lambda slot: slot.index in self._populated)
+        # first, in moments; one still being populated would hold it for seconds behind it. Among the mapped ones, the
+        # one with the least left to page-lock goes first: the next snapshot takes the first slot ready
+        order = sorted(self._order(), key=lambda slot: (slot.index in self._populated, left_to_lock(slot, nbytes)))
         with self._lock:
             self._started = True
             for slot in order:
