@@ -99,7 +99,8 @@ def _main(argv: list[str] | None, cleanup: contextlib.ExitStack) -> tuple[ExitCo
 
 
 def _config_error(reason: str) -> tuple[ExitCode, str]:
-    print(f"config error: {_one_line(reason)}", file=sys.stderr)
+    sys.stderr.flush()  # FT: one write of the whole line: a node's workers fail at once, and their lines must not mix
+    os.write(sys.stderr.fileno(), f"config error: {_one_line(reason)}\n".encode())
     return ExitCode.CONFIG_ERROR, _one_line(reason)
 
 
