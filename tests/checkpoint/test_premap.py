@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,29 @@ def test_a_resized_replaced_or_removed_file_is_unlocked_and_mapped_again(tmp_pat
     path.unlink()  # the job ended and removed its slots: nothing may stay pinned
     mapper.refresh(str(path))
     assert driver.locked == {} and mapper.locked_bytes() == 0
+
+
+def test_the_newest_snapshots_slot_is_locked_first(tmp_path, driver):
+    """A takeover restores the newest snapshot: its slot file is page-locked before the others, whatever its index;
+    a slot being restaged (no header) comes last."""
+    paths = [tmp_path / f"rank-00000.slot-{i}.data" for i in range(3)]
+    for index, path in enumerate(paths):
+        _write(path, CHUNK, seed=index)
+    for path, age in ((paths[0], 30), (paths[2], 10)):  # slot 2's snapshot is the newest; slot 1 has no header
+        meta = path.with_suffix(".meta")
+        meta.write_bytes(b"header")
+        os.utime(meta, (meta.stat().st_mtime - age, meta.stat().st_mtime - age))
+    assert premap.newest_first([str(p) for p in paths]) == [str(paths[2]), str(paths[0]), str(paths[1])]
+    mapper = premap.Premapper([str(p) for p in paths], driver.register, driver.unregister, poll_s=30)
+    mapper.start()
+    deadline = time.monotonic() + 10
+    while mapper.locked_bytes() < 3 * CHUNK and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mapper.stop()
+    order = [premap.take(p, CHUNK, driver.unregister).buffer.data_ptr() for p in (paths[2], paths[0], paths[1])]
+    assert [address for call, address in driver.calls if call == "register"] == order
+    for address in order:
+        driver.unregister(address)
 
 
 def test_stop_ends_after_the_chunk_being_locked_and_a_refusal_ends_the_thread(tmp_path, driver):

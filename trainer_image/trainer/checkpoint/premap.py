@@ -30,7 +30,7 @@ import torch
 from trainer.checkpoint import chunked
 
 POLL_S = 2.0
-"""How often the standby looks at the slot files again (new, resized, replaced or removed)."""
+"""How often the standby looks at the slot files again (new, resized, replaced or removed, the newest snapshot's)."""
 PAUSE_FACTOR = 1.0
 """After page-locking a chunk, the thread sleeps this many times as long as the chunk took."""
 
@@ -114,6 +114,19 @@ def _drop(entry: Premapped, unregister: Callable[[int], None] | None) -> None:
     entry.chunks = []
 
 
+def newest_first(paths: list[str]) -> list[str]:
+    """Slot files by their snapshots, the newest first (its header, ``.meta`` beside the ``.data``, written last),
+    then those without one (being restaged): a takeover restores the newest snapshot, and its copy is quick only
+    from chunks already page-locked, so those are locked first."""
+    def published(path: str) -> float:
+        try:
+            return os.stat(str(Path(path).with_suffix(".meta"))).st_mtime
+        except OSError:
+            return -math.inf
+
+    return sorted(paths, key=published, reverse=True)
+
+
 class Premapper:
     """Keeps ``paths`` mapped and page-locked in a background thread until ``stop``."""
 
@@ -150,7 +163,7 @@ class Premapper:
             pass
         self.thread_init()
         while not self._stop.is_set() and not self.refused:
-            for path in self.paths:
+            for path in newest_first(self.paths):
                 if self._stop.is_set() or self.refused:
                     break
                 self.refresh(path)
