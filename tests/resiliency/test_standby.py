@@ -9,7 +9,6 @@ bit-identically to a fault-free run and leaves nothing behind.
 from __future__ import annotations
 
 import os
-import threading
 import re
 import shutil
 import signal
@@ -208,37 +207,6 @@ def test_import_time_environment(theirs, why):
     assert (reason is None) if why is None else (why in reason), reason
     assert "module search path" in import_time_mismatch(mine, mine, ["a"], ["b"])
     assert "OMP_NUM_THREADS is set for the taker" in import_time_mismatch({"OMP_NUM_THREADS": "4"}, {}, [], [])
-
-
-def test_the_standby_makes_its_cuda_context_at_the_normal_priority_and_the_rest_at_the_lowest(monkeypatch):
-    """The CUDA driver's threads keep the priority of the thread that makes the context, and the worker the standby
-    becomes lives with them: the context is made at the normal priority, the imports, prewarm and premap at the
-    lowest, each in a thread of its own (``os.nice`` is per thread on Linux)."""
-    from trainer.startup import standby as module
-
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    seen: dict[str, int] = {}
-    real_import = module.importlib.import_module
-    monkeypatch.setattr(module.importlib, "import_module", lambda name: (seen.setdefault("import", nice()),
-                                                                          real_import(name))[1])
-    warm = module.Standby(0, "/nonexistent", module.DEFAULT_TARGET, None)
-
-    def context() -> str:
-        seen["context"] = nice()
-        warm.device = "cuda:0"
-        return "; CUDA context"
-
-    monkeypatch.setattr(warm, "_cuda_context", context)
-    monkeypatch.setattr(warm, "_prewarm", lambda: seen.setdefault("prewarm", nice()) and "; prewarm")
-    monkeypatch.setattr(warm, "_premap", lambda: seen.setdefault("premap", nice()) and "; premap")
-    before = nice()
-    warm.warm()
-    assert nice() == before  # the main thread's priority untouched
-    low = min(19, before + module.WARM_NICE)
-    assert seen == {"import": low, "context": before, "prewarm": low, "premap": low}, seen
-    assert warm.note == "; CUDA context; prewarm; premap"
 
 
 # --- end to end -----------------------------------------------------------------------------------------------

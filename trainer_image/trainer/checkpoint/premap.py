@@ -32,9 +32,9 @@ from trainer.checkpoint import chunked
 
 POLL_S = 2.0
 """How often the standby looks at the slot files again once it has locked them all (new, resized, replaced, removed)."""
-PAUSE_FACTOR = 0.25
+PAUSE_FACTOR = 1.0
 """After page-locking a chunk, the thread sleeps this many times as long as the chunk took."""
-PACE_GUESS = 4 << 30
+PACE_GUESS = 3 << 30
 """Bytes a second a standby locks, pauses counted, before it has measured its own (``lock_order``)."""
 
 _REGISTRY: dict[str, Premapped] = {}

@@ -9,12 +9,11 @@ node, ``python -m trainer.startup.standby serve``, which keeps at most one warm 
   of that server instead, whose imports it shares, ``forked_warm``) is spawned for local rank R once R's current
   worker finished its first step (it touches ``first-step-R``: ``phases.first_step_done``), so it never competes
   with a start-up or a restore; it does its warm-up in a thread at the lowest priority (``os.nice`` is per thread on
-  Linux: the worker it becomes runs at the normal one), all but its CUDA context, made at the normal priority (the
-  driver's threads keep the priority of the thread that made the context). It imports what the trainer imports,
-  sets its device and makes its CUDA context and a cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute
-  mode while the worker holds the GPU, it stays warm without them and says so once). With a context, it then loads
-  the kernels the worker's first steps would load, for the job's configuration (the command line and world size in
-  the marker), at small shapes (``warmup.for_standby``, knob ``resiliency.standby_prewarm``). Then it listens on
+  Linux: the worker it becomes runs at the normal one). It imports what the trainer imports, sets its device and
+  makes its CUDA context and a cuBLAS handle (if that fails, e.g. in EXCLUSIVE_PROCESS compute mode while the worker
+  holds the GPU, it stays warm without them and says so once). With a context, it then loads the kernels the
+  worker's first steps would load, for the job's configuration (the command line and world size in the marker), at
+  small shapes (``warmup.for_standby``, knob ``resiliency.standby_prewarm``). Then it listens on
   ``standby-R.sock``. It dies with the server (``PR_SET_PDEATHSIG``);
 - a launched worker (``python -m trainer``) hands itself over to it (``handoff.py``), and becomes its proxy;
   the standby checks that the environment read at import or CUDA-init time is the same as its own
@@ -45,7 +44,6 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
 
 from trainer.startup import forkserver
 from trainer.startup.handoff import PR_SET_PDEATHSIG, answer, import_time_mismatch, receive, run_target, \
@@ -85,37 +83,23 @@ class Standby:
         """A launched worker handed itself over: from then on its proxy, not the server, decides its life."""
 
     def warm(self) -> None:
-        """Imports, then the CUDA context, then the prewarm and the premap. The imports, the prewarm and the premap
-        run in threads at the lowest priority; the context is made in this (main) thread at the normal one, because
-        the CUDA driver's own threads, made with the context, keep the priority of the thread that made it, and the
-        worker this standby becomes lives with them (their exit is part of a dead worker's release of the device:
-        BENCHMARKS.md, "Recovery per layer")."""
-        module, _ = self.target.split(":")
-        self._low_priority(lambda: [importlib.import_module(name)
-                                    for name in (*WARM_IMPORTS.get(self.target, ()), module)])
-        self.note = self._cuda_context()
-
-        def after_context() -> None:
-            if self.device is not None and self.target == DEFAULT_TARGET:
-                self.note += self._prewarm()
-                self.note += self._premap()
-
-        self._low_priority(after_context)
-
-    @staticmethod
-    def _low_priority(work: Callable[[], object]) -> None:
-        """``work`` in a thread at ``WARM_NICE`` (``os.nice`` is per thread on Linux), waited for; its exception
-        raised here."""
+        """Imports and the CUDA context, in a thread at the lowest priority."""
         failure: list[BaseException] = []
 
-        def run() -> None:
+        def work() -> None:
             try:
                 os.nice(WARM_NICE)  # this thread only (Linux)
-                work()
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+                module, _ = self.target.split(":")
+                for name in (*WARM_IMPORTS.get(self.target, ()), module):
+                    importlib.import_module(name)
+                self.note = self._cuda_context()
+                if self.device is not None and self.target == DEFAULT_TARGET:
+                    self.note += self._prewarm()
+                    self.note += self._premap()
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 failure.append(exc)
 
-        thread = threading.Thread(target=run, name="standby-warm-up")
+        thread = threading.Thread(target=work, name="standby-warm-up")
         thread.start()
         thread.join()
         if failure:
