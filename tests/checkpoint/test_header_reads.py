@@ -1,6 +1,6 @@
-"""A snapshot header is unpickled once per version of its file in a process (``snapshot_header.load_header``): a restore looks
-through the node's headers several times (the node-local discovery, the peer tier's holdings, the reshard's
-candidates and clean-up), and each unpickling lies on the restart's critical path."""
+"""A snapshot header is unpickled once per version of its file in a process (``snapshot_header.load_header``): a
+restore looks through the node's headers several times (the node-local discovery, the peer tier's holdings, the
+reshard's candidates and clean-up), and each unpickling lies on the restart's critical path."""
 
 from __future__ import annotations
 
