@@ -13,7 +13,10 @@ wait for a dead worker's memory):
   ``plain``; ``nice``: the child imports torch, makes its CUDA context and page-locks in a thread at nice 19, as a
   warm standby does before it becomes the worker (``trainer/startup/standby.py``); ``copin``: another live process
   has the same slot files page-locked too, as the next standby has; ``load``: one busy process per CPU at the normal
-  priority while the child dies; and ``+`` combinations (``nice+load``).
+  priority while the child dies; ``active``: another process runs the standby's ``Premapper`` over the same slot
+  files, still locking chunks when the child is killed (a standby warm for a few seconds); ``watch``: the same, its
+  ``Premapper`` told the child's pid (it stops locking once the child is gone, as a standby does); and ``+``
+  combinations (``nice+load``).
 Also the machine's transparent huge page settings for shared memory (``thp``).
 """
 
@@ -29,6 +32,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
+
+
+LOCKING_S = 0.5
+"""``active``/``watch``: the child is killed this long after the other process locked its first chunk."""
 
 
 def emit(figure: str, **fields: object) -> None:
@@ -127,6 +134,23 @@ def holder(directory: Path, gib: float, slots: int, device_gib: float, nice: int
     time.sleep(3600)
 
 
+def premapping(directory: Path, slots: int, owner: int) -> None:
+    """The other process of ``active``/``watch``: a CUDA context and the standby's ``Premapper`` over the held slot
+    files (``owner``: the pid it watches, 0 for none); a line once its first chunk is locked, then it waits."""
+    import torch
+
+    from trainer.checkpoint.premap import Premapper
+
+    torch.zeros(1, device="cuda")
+    mapper = Premapper([str(directory / f"held-{index}.data") for index in range(slots)],
+                       thread_init=lambda: torch.cuda.set_device(0), owner=owner or None)
+    mapper.start()
+    while mapper.locked_bytes() == 0 and not mapper.refused:
+        time.sleep(0.005)
+    print("premapping", flush=True)
+    time.sleep(3600)
+
+
 def used_bytes() -> int:
     import pynvml
 
@@ -152,6 +176,13 @@ def release(directory: Path, gib: float, slots: int, device_gib: float, variant:
     before = used_bytes()
     child = spawn_holder(directory, gib, slots, device_gib, nice=19 if "nice" in parts else 0)
     holding = used_bytes()
+    lock = "active" if "active" in parts else "watch" if "watch" in parts else ""
+    if lock:
+        others.append(subprocess.Popen([sys.executable, __file__, "--premap-owner",
+                                        str(child.pid if lock == "watch" else 0), "--dir", str(directory),
+                                        "--slots", str(slots)], stdout=subprocess.PIPE, text=True))
+        assert others[-1].stdout is not None and others[-1].stdout.readline().strip() == "premapping"
+        time.sleep(LOCKING_S)
     if "load" in parts:
         others += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
         time.sleep(0.5)
@@ -186,18 +217,23 @@ def main() -> None:
     parser.add_argument("--device-gib", type=float, default=60.0)
     parser.add_argument("--piece-mib", type=int, default=1024)
     parser.add_argument("--variants", default="", help="comma-separated release variants (the docstring's), "
-                        "each run twice in turn, instead of the other figures")
+                        "each run --rounds times in turn, instead of the other figures")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hold-nice", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--premap-owner", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.premap_owner is not None:
+        premapping(args.dir, args.slots, args.premap_owner)
+        return
     if args.hold:
         holder(args.dir, args.gib, args.slots, args.device_gib, args.hold_nice)
         return
     thp()
     if args.variants:
         variants = args.variants.split(",")
-        for variant in variants + variants:
+        for variant in variants * args.rounds:
             release(args.dir, args.gib, args.slots, args.device_gib, variant)
         for index in range(args.slots):
             (args.dir / f"held-{index}.data").unlink(missing_ok=True)

@@ -277,3 +277,50 @@ def test_slots_on_a_disk_are_not_page_locked(tmp_path, driver, monkeypatch):
     mapper = premap.Premapper([str(path)], driver.register, driver.unregister)
     mapper.refresh(str(path))
     assert driver.calls == [] and "not on a memory file system" in mapper.refused and mapper.locked_bytes() == 0
+
+
+def test_no_chunk_is_locked_once_the_worker_whose_slots_these_are_has_exited(tmp_path, driver):
+    """The dead worker's exit unpins its own registrations of these pages before its device memory comes back: a
+    standby still locking beside it would only delay the takeover's wait."""
+    path = tmp_path / "slot.data"
+    _write(path, 6 * CHUNK)
+    alive = {"owner": True}
+    locked_when_gone: list[int] = []
+
+    def register(address: int, nbytes: int) -> bool:
+        if len(driver.locked) == 2:
+            alive["owner"] = False  # SIGKILLed while the third chunk is being locked
+            locked_when_gone.append(3)
+        return driver.register(address, nbytes)
+
+    mapper = premap.Premapper([str(path)], register, driver.unregister, owner=4242,
+                              owner_gone=lambda pid: pid == 4242 and not alive["owner"])
+    mapper.start()
+    deadline = time.monotonic() + 10
+    while not mapper.owner_exited and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # long enough for more chunks, were it still locking
+    mapper.stop()
+    assert mapper.owner_exited and locked_when_gone == [3]
+    assert len(driver.locked) == 3  # the chunk under way finishes; no further one starts
+
+
+def test_gone_tells_a_live_process_from_a_zombie_and_a_missing_one():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not premap.gone(child.pid) and not premap.gone(os.getpid())
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not premap.gone(child.pid) and time.monotonic() < deadline:  # SIGKILL pending, exiting, or a zombie
+            time.sleep(0.01)
+        assert premap.gone(child.pid)
+        time.sleep(0.2)
+        assert Path(f"/proc/{child.pid}/stat").read_text().split(")")[1].split()[0] == "Z"  # not reaped yet
+        assert premap.gone(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert premap.gone(child.pid)  # reaped: no such process

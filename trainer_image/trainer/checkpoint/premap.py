@@ -8,7 +8,10 @@ pinned copy). A standby is the same process as the worker it becomes (it runs th
 handoff), so mappings it makes are the worker's: while it waits, a ``Premapper`` thread maps the slot files named in
 the worker's first-step marker and registers them in ``chunked.CHUNK_BYTES`` chunks (the restore's own chunks),
 at the lowest priority, pausing after each, the slot likeliest to hold the newest snapshot at a takeover first
-(``lock_order``). The files are the live worker's slots (``MAP_SHARED``: the same pages,
+(``lock_order``). Once the worker it shadows is exiting or gone (``gone``: a SIGKILL pending, its teardown under way,
+a zombie, or no process), it locks no further chunk: the dead worker's exit unpins its own registrations of the same
+pages in the CUDA driver before its device memory comes back, and a registration beside it only delays that
+(BENCHMARKS.md, "Snapshot cost"). The files are the live worker's slots (``MAP_SHARED``: the same pages,
 no extra memory), so the mapping always shows what the worker last wrote.
 
 At the handoff the thread stops (``stop``), and ``SnapshotStore.discover`` takes a file's mapping (``take``) when it
@@ -117,6 +120,25 @@ def _drop(entry: Premapped, unregister: Callable[[int], None] | None) -> None:
     entry.chunks = []
 
 
+PF_EXITING = 0x4
+"""The kernel's flag (``/proc/<pid>/stat``'s ninth field) of a process whose exit is under way."""
+
+
+def gone(pid: int) -> bool:
+    """``pid`` is exiting (a SIGKILL pending, or its exit begun), a zombie, or not there (another pid namespace
+    counts as not there); False for a live process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pending = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except OSError:
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in "ZXx" or int(fields[6]) & PF_EXITING:
+        return True
+    return any(int(line.split(":", 1)[1].strip(), 16) & (1 << 8) for line in pending)  # SIGKILL is signal 9
+
+
 def published(path: str) -> float | None:
     """When the snapshot in slot file ``path`` was published (its header, ``.meta`` beside the ``.data``, is written
     last); None while the slot has none (being restaged)."""
@@ -150,8 +172,12 @@ class Premapper:
 
     def __init__(self, paths: list[str], register: Callable[[int, int], bool] = chunked.cuda_register,
                  unregister: Callable[[int], None] = chunked.cuda_unregister, poll_s: float = POLL_S,
-                 thread_init: Callable[[], None] = lambda: None) -> None:
+                 thread_init: Callable[[], None] = lambda: None, owner: int | None = None,
+                 owner_gone: Callable[[int], bool] = gone) -> None:
         self.paths = [str(p) for p in paths]
+        self.owner, self.owner_gone = owner, owner_gone
+        """The pid of the worker these slots belong to: no chunk is locked once it is ``gone``."""
+        self.owner_exited = False
         self.register, self.unregister, self.poll_s = register, unregister, poll_s
         self.thread_init = thread_init
         self._stop = threading.Event()
@@ -182,7 +208,7 @@ class Premapper:
         except OSError:
             pass
         self.thread_init()
-        while not self._stop.is_set() and not self.refused:
+        while not self._stop.is_set() and not self.refused and not self._owner_exited():
             for path in self.paths:  # changed or removed files are let go of first
                 self.refresh(path, lock=False)
             work = [path for path in lock_order(self.paths, self.lock_s) if self.lock_s(path) > 0]
@@ -191,6 +217,11 @@ class Premapper:
                 self.refresh(work[0])  # then the order again: the worker may have published meanwhile
             if not work or self.locked_bytes() == locked:  # nothing left, or a file it could not map: the next poll
                 self._stop.wait(self.poll_s)
+
+    def _owner_exited(self) -> bool:
+        if not self.owner_exited and self.owner is not None and self.owner_gone(self.owner):
+            self.owner_exited = True
+        return self.owner_exited
 
     def lock_s(self, path: str) -> float:
         """Seconds left to page-lock ``path`` at this thread's pace so far (0: locked, or not there)."""
@@ -227,7 +258,7 @@ class Premapper:
             with _LOCK:
                 _REGISTRY[path] = entry
         base, nbytes = entry.buffer.data_ptr(), entry.buffer.numel()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._owner_exited():
             start = len(entry.chunks) * chunked.CHUNK_BYTES
             if start >= nbytes:
                 return
