@@ -16,7 +16,10 @@ wait for a dead worker's memory):
   priority while the child dies; ``active``: another process runs the standby's ``Premapper`` over the same slot
   files, still locking chunks when the child is killed (a standby warm for a few seconds); ``watch``: the same, its
   ``Premapper`` told the child's pid (it stops locking once the child is gone, as a standby does); and ``+``
-  combinations (``nice+load``).
+  combinations (``nice+load``). With ``after`` in a variant, the probe itself registers three 4 GiB ranges of a
+  fresh mapping of the first slot file (pages present, not in its page tables, as a takeover's restore finds them):
+  one as soon as the memory is back, one 3 s later, one 3 s later still after ``madvise(MADV_POPULATE_WRITE)``
+  faulted it in (``register_after_release_s``); ``exited_s``: when the killed child could be reaped.
 Also the machine's transparent huge page settings for shared memory (``thp``).
 """
 
@@ -165,12 +168,48 @@ def spawn_holder(directory: Path, gib: float, slots: int, device_gib: float, nic
     return child
 
 
+def registrations_after(mapping, killed: float, child: subprocess.Popen, reaped: float | None) -> dict:
+    """``after``: the seconds to page-lock 4 GiB ranges of ``mapping`` (a torch.Tensor) right away, 3 s later, and
+    3 s later again once populated; and when ``child`` exited (``reaped`` if it was already, else watched from
+    another thread meanwhile)."""
+    import ctypes
+    import threading
+
+    from trainer.checkpoint import chunked
+
+    exited: list[float] = [] if reaped is None else [reaped]
+    watcher = threading.Thread(target=lambda: reaped is None and (child.wait(), exited.append(time.perf_counter() - killed)))
+    watcher.start()
+    piece, base, out = 4 << 30, mapping.data_ptr(), {}
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for index, label in enumerate(("at_once", "later", "populated_later")):
+        if index:
+            time.sleep(3)
+        address = base + index * piece
+        if label == "populated_later":
+            began = time.perf_counter()
+            status = libc.madvise(address, piece, 23)  # MADV_POPULATE_WRITE (Linux 5.14)
+            out["populate_s"] = round(time.perf_counter() - began, 3) if status == 0 else f"errno {ctypes.get_errno()}"
+        began = time.perf_counter()
+        assert chunked.cuda_register(address, piece)
+        out[label] = round(time.perf_counter() - began, 3)
+        chunked.cuda_unregister(address)
+    watcher.join()
+    out["exited_s"] = round(exited[0], 3)
+    return out
+
+
 def release(directory: Path, gib: float, slots: int, device_gib: float, variant: str = "") -> None:
     import pynvml
 
     pynvml.nvmlInit()
     parts = set(variant.split("+")) if variant else set()
     others: list[subprocess.Popen] = []
+    if "after" in parts:  # the probe's own context, before the baseline is read
+        import torch
+
+        torch.zeros(1, device="cuda")
     if "copin" in parts:  # the next standby: the same files page-locked, a small context of its own
         others.append(spawn_holder(directory, gib, slots, 0.1))
     before = used_bytes()
@@ -194,6 +233,9 @@ def release(directory: Path, gib: float, slots: int, device_gib: float, variant:
             reaped = time.perf_counter() - killed
         time.sleep(0.005)
     back = time.perf_counter() - killed
+    if "after" in parts:  # a fresh mapping: the pages are in /dev/shm, none in the probe's page tables
+        mapping = torch.from_file(str(directory / "held-0.data"), shared=True, size=int(gib * 2**30), dtype=torch.uint8)
+        emit("register_after_release_s", variant=variant, gib=4, **registrations_after(mapping, killed, child, reaped))
     child.wait()
     for other in others:
         other.kill()
