@@ -324,3 +324,32 @@ def test_gone_tells_a_live_process_from_a_zombie_and_a_missing_one():
         child.kill()
         child.wait()
     assert premap.gone(child.pid)  # reaped: no such process
+
+
+def test_a_snapshot_published_while_another_slot_is_being_locked_has_its_slot_locked_next(tmp_path, driver):
+    """The standby is locking the only snapshot's slot (slot 0, 3 chunks) when the worker publishes a newer one in
+    slot 1: the next chunk it locks is slot 1's (it re-reads the order after every chunk), and slot 0's rest after."""
+    paths = [tmp_path / "rank-00000.slot-0.data", tmp_path / "rank-00000.slot-1.data"]
+    _write(paths[0], 3 * CHUNK)
+    _write(paths[1], 2 * CHUNK, seed=1)
+    paths[0].with_suffix(".meta").write_bytes(b"header")
+    stamp = time.time() - 10
+    os.utime(paths[0].with_suffix(".meta"), (stamp, stamp))
+    files: list[str] = []
+
+    def register(address: int, nbytes: int) -> bool:
+        with premap._LOCK:
+            owner = next(path for path, entry in premap._REGISTRY.items()
+                         if entry.buffer.data_ptr() <= address < entry.buffer.data_ptr() + entry.buffer.numel())
+        files.append(Path(owner).name)
+        if len(files) == 1:  # the worker publishes step 2 into slot 1 while slot 0's first chunk is being locked
+            paths[1].with_suffix(".meta").write_bytes(b"header")
+        return driver.register(address, nbytes)
+
+    mapper = premap.Premapper([str(p) for p in paths], register, driver.unregister, poll_s=30)
+    mapper.start()
+    deadline = time.monotonic() + 10
+    while mapper.locked_bytes() < 5 * CHUNK and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mapper.stop()
+    assert files == [paths[0].name, paths[1].name, paths[1].name, paths[0].name, paths[0].name]

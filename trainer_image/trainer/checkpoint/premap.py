@@ -213,8 +213,8 @@ class Premapper:
                 self.refresh(path, lock=False)
             work = [path for path in lock_order(self.paths, self.lock_s) if self.lock_s(path) > 0]
             locked = self.locked_bytes()
-            if work:
-                self.refresh(work[0])  # then the order again: the worker may have published meanwhile
+            if work:  # one chunk, then the order again: the worker may have published a newer snapshot meanwhile
+                self.refresh(work[0], most=1)
             if not work or self.locked_bytes() == locked:  # nothing left, or a file it could not map: the next poll
                 self._stop.wait(self.poll_s)
 
@@ -233,9 +233,9 @@ class Premapper:
         left = now[2] if entry is None or entry.identity != now else entry.buffer.numel() - entry.locked_bytes
         return left / self._pace if left > 0 else 0.0
 
-    def refresh(self, path: str, lock: bool = True) -> None:
-        """Map ``path`` again if it changed, and page-lock its next chunks until it is whole (or ``stop``); with
-        ``lock`` False, only let go of a mapping whose file changed or went."""
+    def refresh(self, path: str, lock: bool = True, most: int | None = None) -> None:
+        """Map ``path`` again if it changed, and page-lock its next chunks until it is whole (or ``stop``; ``most``:
+        at most that many chunks); with ``lock`` False, only let go of a mapping whose file changed or went."""
         now = identity(path)
         with _LOCK:
             entry = _REGISTRY.get(path)
@@ -258,10 +258,12 @@ class Premapper:
             with _LOCK:
                 _REGISTRY[path] = entry
         base, nbytes = entry.buffer.data_ptr(), entry.buffer.numel()
-        while not self._stop.is_set() and not self._owner_exited():
+        locked = 0
+        while not self._stop.is_set() and not self._owner_exited() and (most is None or locked < most):
             start = len(entry.chunks) * chunked.CHUNK_BYTES
             if start >= nbytes:
                 return
+            locked += 1
             began = time.perf_counter()
             if not self.register(base + start, min(chunked.CHUNK_BYTES, nbytes - start)):
                 self.refused = f"the driver refused to page-lock {path}"
