@@ -326,30 +326,35 @@ def test_gone_tells_a_live_process_from_a_zombie_and_a_missing_one():
     assert premap.gone(child.pid)  # reaped: no such process
 
 
-def test_a_snapshot_published_while_another_slot_is_being_locked_has_its_slot_locked_next(tmp_path, driver):
-    """The standby is locking the only snapshot's slot (slot 0, 3 chunks) when the worker publishes a newer one in
-    slot 1: the next chunk it locks is slot 1's (it re-reads the order after every chunk), and slot 0's rest after."""
-    paths = [tmp_path / "rank-00000.slot-0.data", tmp_path / "rank-00000.slot-1.data"]
-    _write(paths[0], 3 * CHUNK)
-    _write(paths[1], 2 * CHUNK, seed=1)
-    paths[0].with_suffix(".meta").write_bytes(b"header")
-    stamp = time.time() - 10
-    os.utime(paths[0].with_suffix(".meta"), (stamp, stamp))
-    files: list[str] = []
+
+def test_every_slots_pages_are_faulted_in_before_any_is_locked_and_their_bytes_stay(tmp_path, driver):
+    """The standby faults the slot files' pages into its mapping first (no CUDA call: a registration of pages already
+    faulted in only pins); the worker's bytes are untouched, and on a kernel that cannot, it locks as before."""
+    paths = [tmp_path / f"rank-00000.slot-{i}.data" for i in range(2)]
+    contents = [_write(path, 3 * CHUNK, seed=i) for i, path in enumerate(paths)]
+    seen: list[list[int]] = []
 
     def register(address: int, nbytes: int) -> bool:
         with premap._LOCK:
-            owner = next(path for path, entry in premap._REGISTRY.items()
-                         if entry.buffer.data_ptr() <= address < entry.buffer.data_ptr() + entry.buffer.numel())
-        files.append(Path(owner).name)
-        if len(files) == 1:  # the worker publishes step 2 into slot 1 while slot 0's first chunk is being locked
-            paths[1].with_suffix(".meta").write_bytes(b"header")
+            seen.append([entry.prefaulted for entry in premap._REGISTRY.values()])
         return driver.register(address, nbytes)
 
     mapper = premap.Premapper([str(p) for p in paths], register, driver.unregister, poll_s=30)
     mapper.start()
     deadline = time.monotonic() + 10
-    while mapper.locked_bytes() < 5 * CHUNK and time.monotonic() < deadline:
+    while mapper.locked_bytes() < 6 * CHUNK and time.monotonic() < deadline:
         time.sleep(0.01)
     mapper.stop()
-    assert files == [paths[0].name, paths[1].name, paths[1].name, paths[0].name, paths[0].name]
+    assert mapper.prefaulting and seen and seen[0] == [3 * CHUNK, 3 * CHUNK]
+    assert [path.read_bytes() for path in paths] == contents
+    premap.release_all(driver.unregister)
+    driver.calls.clear()
+    mapper = premap.Premapper([str(paths[0])], driver.register, driver.unregister, poll_s=30)
+    chunked_prefault = premap.chunked.prefault
+    try:
+        premap.chunked.prefault = lambda address, nbytes: False  # a kernel before 5.14
+        assert not mapper.prefault_next(str(paths[0])) and not mapper.prefaulting
+    finally:
+        premap.chunked.prefault = chunked_prefault
+    mapper.refresh(str(paths[0]))
+    assert mapper.locked_bytes() == 3 * CHUNK
