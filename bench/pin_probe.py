@@ -14,9 +14,8 @@ wait for a dead worker's memory):
   warm standby does before it becomes the worker (``trainer/startup/standby.py``); ``copin``: another live process
   has the same slot files page-locked too, as the next standby has; ``load``: one busy process per CPU at the normal
   priority while the child dies; ``active``: another process runs the standby's ``Premapper`` over the same slot
-  files, still locking chunks when the child is killed (a standby warm for a few seconds); ``watch``: the same, its
-  ``Premapper`` told the child's pid (it stops locking once the child is gone, as a standby does); and ``+``
-  combinations (``nice+load``). With ``after`` in a variant, the probe itself registers three 4 GiB ranges of a
+  files, still locking chunks when the child is killed (a standby warm for a few seconds); and ``+`` combinations
+  (``nice+load``). With ``after`` in a variant, the probe itself registers three 4 GiB ranges of a
   fresh mapping of the first slot file (pages present, not in its page tables, as a takeover's restore finds them):
   one as soon as the memory is back, one 3 s later, one 3 s later still after ``madvise(MADV_POPULATE_WRITE)``
   faulted it in (``register_after_release_s``); ``exited_s``: when the killed child could be reaped.
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 
 
 LOCKING_S = 0.5
-"""``active``/``watch``: the child is killed this long after the other process locked its first chunk."""
+"""``active``: the child is killed this long after the other process locked its first chunk."""
 
 
 def emit(figure: str, **fields: object) -> None:
@@ -137,16 +136,16 @@ def holder(directory: Path, gib: float, slots: int, device_gib: float, nice: int
     time.sleep(3600)
 
 
-def premapping(directory: Path, slots: int, owner: int) -> None:
-    """The other process of ``active``/``watch``: a CUDA context and the standby's ``Premapper`` over the held slot
-    files (``owner``: the pid it watches, 0 for none); a line once its first chunk is locked, then it waits."""
+def premapping(directory: Path, slots: int) -> None:
+    """The other process of ``active``: a CUDA context and the standby's ``Premapper`` over the held slot files; a
+    line once its first chunk is locked, then it waits."""
     import torch
 
     from trainer.checkpoint.premap import Premapper
 
     torch.zeros(1, device="cuda")
     mapper = Premapper([str(directory / f"held-{index}.data") for index in range(slots)],
-                       thread_init=lambda: torch.cuda.set_device(0), owner=owner or None)
+                       thread_init=lambda: torch.cuda.set_device(0))
     mapper.start()
     while mapper.locked_bytes() == 0 and not mapper.refused:
         time.sleep(0.005)
@@ -178,7 +177,12 @@ def registrations_after(mapping, killed: float, child: subprocess.Popen, reaped:
     from trainer.checkpoint import chunked
 
     exited: list[float] = [] if reaped is None else [reaped]
-    watcher = threading.Thread(target=lambda: reaped is None and (child.wait(), exited.append(time.perf_counter() - killed)))
+    def watch() -> None:
+        if reaped is None:
+            child.wait()
+            exited.append(time.perf_counter() - killed)
+
+    watcher = threading.Thread(target=watch)
     watcher.start()
     piece, base, out = 4 << 30, mapping.data_ptr(), {}
     libc = ctypes.CDLL(None, use_errno=True)
@@ -215,10 +219,8 @@ def release(directory: Path, gib: float, slots: int, device_gib: float, variant:
     before = used_bytes()
     child = spawn_holder(directory, gib, slots, device_gib, nice=19 if "nice" in parts else 0)
     holding = used_bytes()
-    lock = "active" if "active" in parts else "watch" if "watch" in parts else ""
-    if lock:
-        others.append(subprocess.Popen([sys.executable, __file__, "--premap-owner",
-                                        str(child.pid if lock == "watch" else 0), "--dir", str(directory),
+    if "active" in parts:
+        others.append(subprocess.Popen([sys.executable, __file__, "--premap", "--dir", str(directory),
                                         "--slots", str(slots)], stdout=subprocess.PIPE, text=True))
         assert others[-1].stdout is not None and others[-1].stdout.readline().strip() == "premapping"
         time.sleep(LOCKING_S)
@@ -263,11 +265,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hold-nice", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--premap-owner", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--premap", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    if args.premap_owner is not None:
-        premapping(args.dir, args.slots, args.premap_owner)
+    if args.premap:
+        premapping(args.dir, args.slots)
         return
     if args.hold:
         holder(args.dir, args.gib, args.slots, args.device_gib, args.hold_nice)

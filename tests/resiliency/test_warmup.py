@@ -243,7 +243,7 @@ def test_a_new_worker_warms_up_only_when_eager_on_a_gpu_and_not_warmed_by_its_st
 
 # --- a warm standby: synchronously, at small shapes, from the first-step marker -----------------------------------
 
-def test_first_step_marker_records_the_command_line_directory_world_size_and_pid(tmp_path, monkeypatch):
+def test_first_step_marker_records_the_command_line_directory_and_world_size(tmp_path, monkeypatch):
     monkeypatch.setenv(phases.STANDBY_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -252,7 +252,7 @@ def test_first_step_marker_records_the_command_line_directory_world_size_and_pid
     phases.first_step_done(["/dev/shm/x/rank-00001.slot-0.data"])
     record = json.loads((tmp_path / "first-step-1").read_text())
     assert record == {"argv": ["--config", "tiny", "--train.steps=7"], "cwd": str(tmp_path), "world_size": 8,
-                      "pid": os.getpid(), "snapshot_files": ["/dev/shm/x/rank-00001.slot-0.data"]}
+                      "snapshot_files": ["/dev/shm/x/rank-00001.slot-0.data"]}
     assert [p.name for p in tmp_path.iterdir()] == ["first-step-1"]  # written whole, no partial file left
 
 

@@ -13,8 +13,7 @@ own registration replaces them when the slots are prepared for the next snapshot
 
 Also here: page-locking a slot in pieces (``register_in_pieces``) and the copies split at those pieces
 (``split_copy``), for ``checkpoint.pin_chunk_mib``; faulting a new slot's pages in on several threads before it is
-page-locked (``populate``) and faulting an existing one's pages into another process's mapping without writing
-them (``prefault``); and whether a directory can be page-locked at all (``memory_backed``: Linux
+page-locked (``populate``); and whether a directory can be page-locked at all (``memory_backed``: Linux
 page-locks file mappings only on memory file systems); and the slot checksum, over host memory (``checksum``) or
 computed on the device from the tensors a slot holds (``device_checksum``).
 """
@@ -22,7 +21,6 @@ computed on the device from the tensors a slot holds (``device_checksum``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
@@ -220,21 +218,6 @@ def populate(buffer: torch.Tensor, threads: int = POPULATE_THREADS) -> None:
 
     with ThreadPoolExecutor(len(ranges), thread_name_prefix="slot-populate") as pool:
         list(pool.map(touch, ranges))
-
-
-MADV_POPULATE_WRITE = 23
-"""``madvise`` advice (Linux 5.14): fault pages in writable, as a write would, without writing them."""
-
-
-def prefault(address: int, nbytes: int) -> bool:
-    """Fault the pages of a shared mapping of a slot file someone else wrote into this process's page tables,
-    writable, leaving their bytes as they are (``MADV_POPULATE_WRITE``): a ``cudaHostRegister`` of them afterwards
-    only pins, about 4x faster than one that faults them in itself with the CUDA driver held (BENCHMARKS.md,
-    "Snapshot cost"). For a process with no training loop (a standby: it holds its own address space's lock for the
-    range, which stalled a worker's loop, ``populate``). False where the kernel cannot (before 5.14) or the range is
-    not mapped."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0
 
 
 def cuda_register(address: int, nbytes: int) -> bool:

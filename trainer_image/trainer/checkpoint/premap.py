@@ -6,13 +6,9 @@ mapping to the GPU is bounded by page-locking it (``cudaHostRegister`` faults in
 18 GB on H200), which also holds the CUDA driver beside the restore's warm-up (``restore`` 3-4 s against a 0.35 s
 pinned copy). A standby is the same process as the worker it becomes (it runs the trainer's ``main`` after the
 handoff), so mappings it makes are the worker's: while it waits, a ``Premapper`` thread maps the slot files named in
-the worker's first-step marker, faults every slot's pages into its page tables (``chunked.prefault``: no CUDA
-call, and a registration of pages already faulted in is ~4x faster), then registers them in
-``chunked.CHUNK_BYTES`` chunks (the restore's own chunks), at the lowest priority, pausing after each, the slot
-likeliest to hold the newest snapshot at a takeover first (``lock_order``). What is not locked at a takeover is
-locked by the restore from the same, prefaulted, mapping. Once the worker it shadows is exiting or gone (``gone``: a SIGKILL pending, its teardown under way,
-a zombie, or no process), it locks no further chunk: the dead worker's exit unpins its own registrations of the same
-pages in the CUDA driver before its device memory comes back, and a registration beside it competes with that. The files are the live worker's slots (``MAP_SHARED``: the same pages,
+the worker's first-step marker and registers them in ``chunked.CHUNK_BYTES`` chunks (the restore's own chunks),
+at the lowest priority, pausing after each, the slot likeliest to hold the newest snapshot at a takeover first
+(``lock_order``). The files are the live worker's slots (``MAP_SHARED``: the same pages,
 no extra memory), so the mapping always shows what the worker last wrote.
 
 At the handoff the thread stops (``stop``), and ``SnapshotStore.discover`` takes a file's mapping (``take``) when it
@@ -55,8 +51,6 @@ class Premapped:
     """(st_dev, st_ino, st_size) of the file when it was mapped."""
     buffer: torch.Tensor
     chunks: list[int] = field(default_factory=list)
-    prefaulted: int = 0
-    """Bytes from its start faulted into this process's page tables (``chunked.prefault``)."""
 
     @property
     def locked_bytes(self) -> int:
@@ -123,25 +117,6 @@ def _drop(entry: Premapped, unregister: Callable[[int], None] | None) -> None:
     entry.chunks = []
 
 
-PF_EXITING = 0x4
-"""The kernel's flag (``/proc/<pid>/stat``'s ninth field) of a process whose exit is under way."""
-
-
-def gone(pid: int) -> bool:
-    """``pid`` is exiting (a SIGKILL pending, or its exit begun), a zombie, or not there (another pid namespace
-    counts as not there); False for a live process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        pending = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if line.startswith(("SigPnd:", "ShdPnd:"))]
-    except OSError:
-        return True
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] in "ZXx" or int(fields[6]) & PF_EXITING:
-        return True
-    return any(int(line.split(":", 1)[1].strip(), 16) & (1 << 8) for line in pending)  # SIGKILL is signal 9
-
-
 def published(path: str) -> float | None:
     """When the snapshot in slot file ``path`` was published (its header, ``.meta`` beside the ``.data``, is written
     last); None while the slot has none (being restaged)."""
@@ -175,14 +150,8 @@ class Premapper:
 
     def __init__(self, paths: list[str], register: Callable[[int, int], bool] = chunked.cuda_register,
                  unregister: Callable[[int], None] = chunked.cuda_unregister, poll_s: float = POLL_S,
-                 thread_init: Callable[[], None] = lambda: None, owner: int | None = None,
-                 owner_gone: Callable[[int], bool] = gone) -> None:
+                 thread_init: Callable[[], None] = lambda: None) -> None:
         self.paths = [str(p) for p in paths]
-        self.owner, self.owner_gone = owner, owner_gone
-        """The pid of the worker these slots belong to: no chunk is locked once it is ``gone``."""
-        self.owner_exited = False
-        self.prefaulting = True
-        """Whether it faults every slot's pages in before it locks any (False: the kernel cannot)."""
         self.register, self.unregister, self.poll_s = register, unregister, poll_s
         self.thread_init = thread_init
         self._stop = threading.Event()
@@ -213,22 +182,15 @@ class Premapper:
         except OSError:
             pass
         self.thread_init()
-        while not self._stop.is_set() and not self.refused and not self._owner_exited():
+        while not self._stop.is_set() and not self.refused:
             for path in self.paths:  # changed or removed files are let go of first
                 self.refresh(path, lock=False)
             work = [path for path in lock_order(self.paths, self.lock_s) if self.lock_s(path) > 0]
             locked = self.locked_bytes()
-            if any(self.prefault_next(path) for path in work):  # every slot's pages first, a chunk at a time:
-                continue  # no CUDA call, and what is left to lock at a takeover then locks ~4x faster
             if work:
                 self.refresh(work[0])  # then the order again: the worker may have published meanwhile
             if not work or self.locked_bytes() == locked:  # nothing left, or a file it could not map: the next poll
                 self._stop.wait(self.poll_s)
-
-    def _owner_exited(self) -> bool:
-        if not self.owner_exited and self.owner is not None and self.owner_gone(self.owner):
-            self.owner_exited = True
-        return self.owner_exited
 
     def lock_s(self, path: str) -> float:
         """Seconds left to page-lock ``path`` at this thread's pace so far (0: locked, or not there)."""
@@ -239,46 +201,6 @@ class Premapper:
             return 0.0
         left = now[2] if entry is None or entry.identity != now else entry.buffer.numel() - entry.locked_bytes
         return left / self._pace if left > 0 else 0.0
-
-    def prefault_next(self, path: str) -> bool:
-        """Fault the next chunk of ``path``'s mapping in (``chunked.prefault``; mapping the file first), unless it is
-        faulted in or locked already; True when it did. A kernel that cannot ends prefaulting for this standby (its
-        registrations then fault the pages in themselves)."""
-        now = identity(path)
-        if now is None or not self.prefaulting or self._stop.is_set() or self._owner_exited():
-            return False
-        with _LOCK:
-            entry = _REGISTRY.get(path)
-        if entry is not None and entry.identity != now:
-            return False  # changed since the loop's refresh: the next one lets go of it
-        if entry is None:
-            entry = self._map(path, now)
-            if entry is None:
-                return False
-        start, nbytes = max(entry.prefaulted, entry.locked_bytes), entry.buffer.numel()
-        if start >= nbytes:
-            return False
-        size = min(chunked.CHUNK_BYTES, nbytes - start)
-        if not chunked.prefault(entry.buffer.data_ptr() + start, size):
-            self.prefaulting = False
-            return False
-        entry.prefaulted = start + size
-        return True
-
-    def _map(self, path: str, now: tuple[int, int, int]) -> Premapped | None:
-        """A new mapping of ``path`` (``now``: its identity), registered; None where it cannot be (not on a memory
-        file system: ``refused`` says so; removed meanwhile: the next poll sees it gone)."""
-        if not chunked.memory_backed(Path(path).parent):
-            self.refused = f"{Path(path).parent} is not on a memory file system"  # the driver would refuse and
-            return None                                                          # leave a CUDA error behind
-        try:
-            buffer = torch.from_file(path, shared=True, size=now[2], dtype=torch.uint8)
-        except (OSError, RuntimeError):
-            return None
-        entry = Premapped(now, buffer)
-        with _LOCK:
-            _REGISTRY[path] = entry
-        return entry
 
     def refresh(self, path: str, lock: bool = True) -> None:
         """Map ``path`` again if it changed, and page-lock its next chunks until it is whole (or ``stop``); with
@@ -293,12 +215,19 @@ class Premapper:
             entry = None
         if now is None or not lock:
             return
+        if entry is None and not chunked.memory_backed(Path(path).parent):
+            self.refused = f"{Path(path).parent} is not on a memory file system"  # the driver would refuse and
+            return                                                               # leave a CUDA error behind
         if entry is None:
-            entry = self._map(path, now)
-            if entry is None:
+            try:
+                buffer = torch.from_file(path, shared=True, size=now[2], dtype=torch.uint8)
+            except (OSError, RuntimeError):  # removed meanwhile: the next poll sees it gone
                 return
+            entry = Premapped(now, buffer)
+            with _LOCK:
+                _REGISTRY[path] = entry
         base, nbytes = entry.buffer.data_ptr(), entry.buffer.numel()
-        while not self._stop.is_set() and not self._owner_exited():
+        while not self._stop.is_set():
             start = len(entry.chunks) * chunked.CHUNK_BYTES
             if start >= nbytes:
                 return

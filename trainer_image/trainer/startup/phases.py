@@ -193,15 +193,14 @@ def report(log: logging.Logger, phases: dict[str, Any], reentry: bool, marks: di
 def first_step_done(snapshot_files: list[str] | tuple[str, ...] = ()) -> None:
     """This worker finished its first step: the standby server (``trainer/startup/standby.py``) may now warm a
     replacement for it (``first-step-<LOCAL_RANK>`` in ``$TRAINER_STANDBY_DIR``, holding this worker's command
-    line, working directory, world size, pid and node-local snapshot slot files as JSON); nothing without that
-    directory."""
+    line, working directory, world size and node-local snapshot slot files as JSON); nothing without that directory."""
     directory = os.environ.get(STANDBY_DIR_ENV)
     if not directory:
         return
     path = os.path.join(directory, FIRST_STEP_MARKER.format(rank=os.environ.get("LOCAL_RANK", "0")))
     # what the standby warms for (warmup.py) and the slots it page-locks ahead (checkpoint/premap.py)
     record = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-                         "pid": os.getpid(), "snapshot_files": list(snapshot_files)})
+                         "snapshot_files": list(snapshot_files)})
     try:  # FT: a standby for the next in-job restart is warmed only now, after this start-up and restore
         with open(f"{path}.{os.getpid()}", "w") as f:
             f.write(record)

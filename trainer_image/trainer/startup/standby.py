@@ -78,8 +78,6 @@ class Standby:
         self.device = None
         self.job_cfg = None
         self.snapshot_files: list[str] = []
-        self.owner: int | None = None
-        """The pid of the worker whose slots it page-locks (its first-step marker): it stops once that one exits."""
         self.premapper = None
         self.taken = False
         """A launched worker handed itself over: from then on its proxy, not the server, decides its life."""
@@ -146,7 +144,6 @@ class Standby:
             os.chdir(cwd)  # a relative --config or data path, as the worker saw it (the handoff sets it again)
             _, cfg = parse_args(argv)
             self.job_cfg, self.snapshot_files = cfg, [str(p) for p in record.get("snapshot_files", [])]
-            self.owner = int(record["pid"]) if isinstance(record.get("pid"), int) else None
             if not cfg.resiliency.standby_prewarm:
                 return "; no prewarm (resiliency.standby_prewarm=false)"
             return f"; prewarm {for_standby(cfg, self.device, world_size)}"
@@ -168,8 +165,7 @@ class Standby:
         from trainer.checkpoint.premap import Premapper
 
         torch, device = sys.modules["torch"], self.device
-        self.premapper = Premapper(self.snapshot_files, thread_init=lambda: torch.cuda.set_device(device),
-                                   owner=self.owner)
+        self.premapper = Premapper(self.snapshot_files, thread_init=lambda: torch.cuda.set_device(device))
         self.premapper.start()
         return f"; page-locking its {len(self.snapshot_files)} node-local snapshot slots in the background"
 
@@ -231,8 +227,6 @@ class Standby:
             premapped = f"; {self.premapper.locked_bytes() / 2**30:.1f} GiB of its snapshot slots page-locked ahead"
             if self.premapper.refused:
                 premapped += f" ({self.premapper.refused})"
-            elif self.premapper.owner_exited:
-                premapped += " (it stopped once the worker it replaces exited)"
         print(f"trainer: standby worker (pid {os.getpid()}, warm for {time.monotonic() - self.ready_at:.1f} s) "
               f"took over local rank {self.local_rank} (rank {request['env'].get('RANK', '?')}, launched as pid "
               f"{request['pid']}){premapped}", file=sys.stderr, flush=True)
