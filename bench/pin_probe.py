@@ -177,6 +177,7 @@ def registrations_after(mapping, killed: float, child: subprocess.Popen, reaped:
     from trainer.checkpoint import chunked
 
     exited: list[float] = [] if reaped is None else [reaped]
+
     def watch() -> None:
         if reaped is None:
             child.wait()
