@@ -21,7 +21,8 @@ probe() {  # directory label
 }
 probe /dev/shm/pin-probe "4k"
 mkdir -p "$HUGE"
-if mount -t tmpfs -o huge=always,size=$(python3 -c "import math; print(math.ceil(3 * $GIB) + 8)")g tmpfs "$HUGE" 2>/dev/null; then
+size=$(python3 -c "import math; print(math.ceil(3 * $GIB) + 8)")g
+if mount -t tmpfs -o huge=always,size="$size" tmpfs "$HUGE" 2>/dev/null; then
   probe "$HUGE" "huge"
   grep -E "ShmemHugePages|ShmemPmdMapped" /proc/meminfo >&2
   umount "$HUGE"
