@@ -93,45 +93,25 @@ def test_a_resized_replaced_or_removed_file_is_unlocked_and_mapped_again(tmp_pat
     assert driver.locked == {} and mapper.locked_bytes() == 0
 
 
-def _slots_with_headers(tmp_path, ages: list[float | None]) -> list[Path]:
-    """Slot files of one chunk each; a header (``.meta``) ``age`` seconds old beside each, none where None."""
-    paths = []
-    for index, age in enumerate(ages):
-        path = tmp_path / f"rank-00000.slot-{index}.data"
+def test_the_newest_snapshots_slot_is_locked_first(tmp_path, driver):
+    """A takeover restores the newest snapshot: its slot file is page-locked before the others, whatever its index;
+    a slot being restaged (no header) comes last."""
+    paths = [tmp_path / f"rank-00000.slot-{i}.data" for i in range(3)]
+    for index, path in enumerate(paths):
         _write(path, CHUNK, seed=index)
-        if age is not None:
-            meta = path.with_suffix(".meta")
-            meta.write_bytes(b"header")
-            stamp = time.time() - age
-            os.utime(meta, (stamp, stamp))
-        paths.append(path)
-    return paths
-
-
-def test_the_lock_order_follows_the_workers_restaging_and_puts_the_newest_first_where_it_stays_newest(tmp_path):
-    """Slot 1 is being restaged (no header), slot 2 holds the newest snapshot (1 s old), slot 0 the one before (4 s
-    old: an interval of 3 s). The newest goes first only where locking it ends before the next snapshot replaces it
-    (2 s left); otherwise the worker's restaging order: slot 1, then the oldest (0), the newest last."""
-    paths = [str(p) for p in _slots_with_headers(tmp_path, [4.0, None, 1.0])]
-    assert premap.lock_order(paths, lambda path: 1.0) == [paths[2], paths[1], paths[0]]
-    assert premap.lock_order(paths, lambda path: 3.0) == [paths[1], paths[0], paths[2]]
-    (tmp_path / "one").mkdir()
-    single = [str(p) for p in _slots_with_headers(tmp_path / "one", [100.0, None])]
-    assert premap.lock_order(single, lambda path: 50.0) == [single[0], single[1]]  # one header: no interval known
-
-
-def test_the_standby_locks_in_that_order_and_measures_its_pace(tmp_path, driver):
-    paths = _slots_with_headers(tmp_path, [4.0, None, 1.0])
+    for path, age in ((paths[0], 30), (paths[2], 10)):  # slot 2's snapshot is the newest; slot 1 has no header
+        meta = path.with_suffix(".meta")
+        meta.write_bytes(b"header")
+        os.utime(meta, (meta.stat().st_mtime - age, meta.stat().st_mtime - age))
+    assert premap.newest_first([str(p) for p in paths]) == [str(paths[2]), str(paths[0]), str(paths[1])]
     mapper = premap.Premapper([str(p) for p in paths], driver.register, driver.unregister, poll_s=30)
-    assert mapper.lock_s(str(paths[0])) == CHUNK / premap.PACE_GUESS  # a guess until it has locked a chunk
     mapper.start()
     deadline = time.monotonic() + 10
     while mapper.locked_bytes() < 3 * CHUNK and time.monotonic() < deadline:
         time.sleep(0.01)
     mapper.stop()
-    assert mapper._pace != premap.PACE_GUESS and all(mapper.lock_s(str(p)) == 0 for p in paths)
-    order = [premap.take(p, CHUNK, driver.unregister).buffer.data_ptr() for p in (paths[2], paths[1], paths[0])]
-    assert [address for call, address in driver.calls if call == "register"] == order  # the newest: 1 chunk, fast
+    order = [premap.take(p, CHUNK, driver.unregister).buffer.data_ptr() for p in (paths[2], paths[0], paths[1])]
+    assert [address for call, address in driver.calls if call == "register"] == order
     for address in order:
         driver.unregister(address)
 

@@ -7,8 +7,7 @@ mapping to the GPU is bounded by page-locking it (``cudaHostRegister`` faults in
 pinned copy). A standby is the same process as the worker it becomes (it runs the trainer's ``main`` after the
 handoff), so mappings it makes are the worker's: while it waits, a ``Premapper`` thread maps the slot files named in
 the worker's first-step marker and registers them in ``chunked.CHUNK_BYTES`` chunks (the restore's own chunks),
-at the lowest priority, pausing after each, the slot likeliest to hold the newest snapshot at a takeover first
-(``lock_order``). The files are the live worker's slots (``MAP_SHARED``: the same pages,
+at the lowest priority, pausing after each. The files are the live worker's slots (``MAP_SHARED``: the same pages,
 no extra memory), so the mapping always shows what the worker last wrote.
 
 At the handoff the thread stops (``stop``), and ``SnapshotStore.discover`` takes a file's mapping (``take``) when it
@@ -31,11 +30,9 @@ import torch
 from trainer.checkpoint import chunked
 
 POLL_S = 2.0
-"""How often the standby looks at the slot files again once it has locked them all (new, resized, replaced, removed)."""
+"""How often the standby looks at the slot files again (new, resized, replaced or removed, the newest snapshot's)."""
 PAUSE_FACTOR = 1.0
 """After page-locking a chunk, the thread sleeps this many times as long as the chunk took."""
-PACE_GUESS = 3 << 30
-"""Bytes a second a standby locks, pauses counted, before it has measured its own (``lock_order``)."""
 
 _REGISTRY: dict[str, Premapped] = {}
 _LOCK = threading.Lock()
@@ -117,32 +114,17 @@ def _drop(entry: Premapped, unregister: Callable[[int], None] | None) -> None:
     entry.chunks = []
 
 
-def published(path: str) -> float | None:
-    """When the snapshot in slot file ``path`` was published (its header, ``.meta`` beside the ``.data``, is written
-    last); None while the slot has none (being restaged)."""
-    try:
-        return os.stat(str(Path(path).with_suffix(".meta"))).st_mtime
-    except OSError:
-        return None
+def newest_first(paths: list[str]) -> list[str]:
+    """Slot files by their snapshots, the newest first (its header, ``.meta`` beside the ``.data``, written last),
+    then those without one (being restaged): a takeover restores the newest snapshot, and its copy is quick only
+    from chunks already page-locked, so those are locked first."""
+    def published(path: str) -> float:
+        try:
+            return os.stat(str(Path(path).with_suffix(".meta"))).st_mtime
+        except OSError:
+            return -math.inf
 
-
-def lock_order(paths: list[str], lock_s: Callable[[str], float], now: float | None = None) -> list[str]:
-    """The order to page-lock slot files in so that, at a takeover, the newest snapshot's slot is the one most likely
-    locked: its copy is quick only from chunks already page-locked. The worker restages its slots in turn (the one
-    being restaged, then the oldest snapshot's, ..., the newest's last), each holding the newest snapshot for one
-    interval (the time between the two newest headers): that is the order, except that the newest snapshot's slot
-    goes first where ``lock_s(path)`` (the seconds left to lock it) ends before the next snapshot replaces it."""
-    now = time.time() if now is None else now
-    stamps = {path: published(path) for path in paths}
-    headers = sorted((p for p in paths if stamps[p] is not None), key=lambda p: stamps[p], reverse=True)
-    order = [p for p in paths if stamps[p] is None] + headers[::-1]
-    if headers:
-        newest = headers[0]
-        interval = stamps[newest] - stamps[headers[1]] if len(headers) > 1 else math.inf
-        if lock_s(newest) <= interval - (now - stamps[newest]):
-            order.remove(newest)
-            order.insert(0, newest)
-    return order
+    return sorted(paths, key=published, reverse=True)
 
 
 class Premapper:
@@ -156,8 +138,6 @@ class Premapper:
         self.thread_init = thread_init
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pace = PACE_GUESS
-        """Bytes a second this thread locks, its pauses counted (``lock_order``'s estimate); a guess until measured."""
         self.refused = ""
         """Why the driver refused to page-lock a chunk (then the thread ends; the restore locks them itself)."""
 
@@ -183,28 +163,14 @@ class Premapper:
             pass
         self.thread_init()
         while not self._stop.is_set() and not self.refused:
-            for path in self.paths:  # changed or removed files are let go of first
-                self.refresh(path, lock=False)
-            work = [path for path in lock_order(self.paths, self.lock_s) if self.lock_s(path) > 0]
-            locked = self.locked_bytes()
-            if work:
-                self.refresh(work[0])  # then the order again: the worker may have published meanwhile
-            if not work or self.locked_bytes() == locked:  # nothing left, or a file it could not map: the next poll
-                self._stop.wait(self.poll_s)
+            for path in newest_first(self.paths):
+                if self._stop.is_set() or self.refused:
+                    break
+                self.refresh(path)
+            self._stop.wait(self.poll_s)
 
-    def lock_s(self, path: str) -> float:
-        """Seconds left to page-lock ``path`` at this thread's pace so far (0: locked, or not there)."""
-        with _LOCK:
-            entry = _REGISTRY.get(path)
-        now = identity(path)
-        if now is None:
-            return 0.0
-        left = now[2] if entry is None or entry.identity != now else entry.buffer.numel() - entry.locked_bytes
-        return left / self._pace if left > 0 else 0.0
-
-    def refresh(self, path: str, lock: bool = True) -> None:
-        """Map ``path`` again if it changed, and page-lock its next chunks until it is whole (or ``stop``); with
-        ``lock`` False, only let go of a mapping whose file changed or went."""
+    def refresh(self, path: str) -> None:
+        """Map ``path`` again if it changed, and page-lock its next chunks until it is whole (or ``stop``)."""
         now = identity(path)
         with _LOCK:
             entry = _REGISTRY.get(path)
@@ -213,7 +179,7 @@ class Premapper:
         if entry is not None and entry.identity != now:
             _drop(entry, self.unregister)
             entry = None
-        if now is None or not lock:
+        if now is None:
             return
         if entry is None and not chunked.memory_backed(Path(path).parent):
             self.refused = f"{Path(path).parent} is not on a memory file system"  # the driver would refuse and
@@ -236,6 +202,4 @@ class Premapper:
                 self.refused = f"the driver refused to page-lock {path}"
                 return
             entry.chunks.append(base + start)  # ``take`` runs only after ``stop`` has joined this thread
-            took = time.perf_counter() - began
-            self._stop.wait(PAUSE_FACTOR * took)
-            self._pace = min(chunked.CHUNK_BYTES, nbytes - start) / max(1e-6, (1 + PAUSE_FACTOR) * took)
+            self._stop.wait(PAUSE_FACTOR * (time.perf_counter() - began))
